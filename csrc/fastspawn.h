@@ -1,0 +1,43 @@
+/* fastspawn C core: thin wrappers over the Linux process syscalls.
+ *
+ * Every function returns >= 0 on success and -1 with errno set on failure.
+ * Results come back through out-pointers.  Nothing here prints, exits the
+ * calling process or keeps global state; the policy lives in Python.
+ */
+#ifndef FASTSPAWN_H
+#define FASTSPAWN_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+/* pdeathsig.c */
+int fs_set_pdeathsig(int sig, pid_t expected_ppid);
+
+/* pidfd.c */
+int fs_pidfd_open(pid_t pid, unsigned int flags);
+int fs_pidfd_send_signal(int pidfd, int sig);
+int fs_pidfd_wait(int pidfd, int nohang, pid_t *pid, int *exit_status);
+
+/* waiter.c */
+int fs_waiter_new(void);
+int fs_waiter_add(int epfd, int fd, uint64_t token);
+int fs_waiter_remove(int epfd, int fd);
+int fs_waiter_wait(int epfd, uint64_t *tokens, int max_tokens, int timeout_ms);
+
+/* launch.c */
+struct fs_launch_spec {
+    const char *path;          /* absolute or relative path of the binary */
+    char *const *argv;         /* NULL-terminated */
+    char *const *envp;         /* NULL-terminated */
+    const char *cwd;           /* NULL: inherit */
+    int stdin_fd;              /* -1: inherit the parent's fd 0 */
+    int stdout_fd;             /* -1: inherit the parent's fd 1 */
+    int stderr_fd;             /* -1: inherit the parent's fd 2 */
+    const int *keep_fds;       /* fds >= 3 kept open, at the same numbers */
+    int n_keep_fds;
+    int pdeathsig;             /* 0: none */
+    int new_session;           /* non-zero: setsid() in the child */
+};
+int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+
+#endif

@@ -1,0 +1,205 @@
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "fastspawn.h"
+
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2)
+#endif
+
+/* The child's stack.  The child only runs the short, async-signal-safe
+ * sequence below, so this is generous. */
+#define CHILD_STACK_SIZE (64 * 1024)
+
+struct child_args {
+    const struct fs_launch_spec *spec;
+    pid_t parent;
+    sigset_t parent_mask;
+    volatile int err;   /* written by the child, read after it exec'd or died */
+};
+
+/* Between clone and exec the child shares the parent's memory (CLONE_VM), so
+ * it may only make async-signal-safe calls and must not touch the heap.  It
+ * reports a failure by storing errno in args->err and exiting: the parent
+ * (suspended by CLONE_VFORK until exec or exit) reads it after. */
+static int child_fail(struct child_args *args)
+{
+    args->err = errno ? errno : EINVAL;
+    _exit(127);
+}
+
+static int set_inheritable(int fd)
+{
+    int flags = fcntl(fd, F_GETFD);
+
+    if (flags < 0)
+        return -1;
+    return fcntl(fd, F_SETFD, flags & ~FD_CLOEXEC);
+}
+
+/* Mark every fd >= 3 close-on-exec.  close_range(2) does it in one call on
+ * Linux >= 5.11; before that, walk up to the soft fd limit. */
+static int cloexec_from(int lowfd)
+{
+    struct rlimit rl;
+    int fd;
+
+    if (syscall(SYS_close_range, (unsigned)lowfd, ~0U, CLOSE_RANGE_CLOEXEC) == 0)
+        return 0;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+        rl.rlim_cur = 65536;
+    for (fd = lowfd; fd < (int)rl.rlim_cur; fd++) {
+        int flags = fcntl(fd, F_GETFD);
+        if (flags >= 0 && !(flags & FD_CLOEXEC))
+            fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+    }
+    return 0;
+}
+
+static int child_main(void *opaque)
+{
+    struct child_args *args = opaque;
+    const struct fs_launch_spec *s = args->spec;
+    struct sigaction sa;
+    int sig, i;
+    int std_fds[3];
+
+    /* Signals are blocked (the parent blocked them before clone).  Reset
+     * every caught signal to its default before unblocking: a handler of the
+     * parent's running here would run on shared memory.  SIGPIPE goes back to
+     * default as well; Python ignores it and binaries expect the default. */
+    memset(&sa, 0, sizeof(sa));
+    for (sig = 1; sig < NSIG; sig++) {
+        struct sigaction old;
+        if (sig == SIGKILL || sig == SIGSTOP)
+            continue;
+        if (sigaction(sig, NULL, &old) != 0)
+            continue;
+        if (old.sa_handler != SIG_DFL &&
+            (old.sa_handler != SIG_IGN || sig == SIGPIPE)) {
+            sa.sa_handler = SIG_DFL;
+            sigaction(sig, &sa, NULL);
+        }
+    }
+
+    if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
+        child_fail(args);
+    if (s->new_session && setsid() < 0)
+        child_fail(args);
+
+    std_fds[0] = s->stdin_fd;
+    std_fds[1] = s->stdout_fd;
+    std_fds[2] = s->stderr_fd;
+    /* First move sources that sit on 0..2 out of the way, so that e.g.
+     * stdout_fd == 2 and stderr_fd == 1 do not clobber each other. */
+    for (i = 0; i < 3; i++) {
+        if (std_fds[i] >= 0 && std_fds[i] < 3 && std_fds[i] != i) {
+            int moved = fcntl(std_fds[i], F_DUPFD_CLOEXEC, 3);
+            if (moved < 0)
+                child_fail(args);
+            std_fds[i] = moved;
+        }
+    }
+    for (i = 0; i < 3; i++) {
+        if (std_fds[i] < 0)
+            continue;
+        if (std_fds[i] == i) {
+            if (set_inheritable(i) != 0)
+                child_fail(args);
+        } else if (dup2(std_fds[i], i) < 0) {
+            child_fail(args);
+        }
+    }
+
+    cloexec_from(3);
+    for (i = 0; i < s->n_keep_fds; i++)
+        if (s->keep_fds[i] >= 3 && set_inheritable(s->keep_fds[i]) != 0)
+            child_fail(args);
+
+    if (s->cwd != NULL && chdir(s->cwd) != 0)
+        child_fail(args);
+
+    if (sigprocmask(SIG_SETMASK, &args->parent_mask, NULL) != 0)
+        child_fail(args);
+    execve(s->path, s->argv, s->envp);
+    child_fail(args);
+    return 127;
+}
+
+/* Start `spec->path` as a new process and return its pid, with a pidfd in
+ * *pidfd.
+ *
+ * clone(2) with CLONE_VM | CLONE_VFORK, as posix_spawn(3) does: no page
+ * tables are copied, so the cost does not grow with the parent's memory, and
+ * the parent sleeps until the child has exec'd or failed.  CLONE_PIDFD hands
+ * back a pidfd atomically.  In the child, before exec: signal handlers reset,
+ * PR_SET_PDEATHSIG armed and the parent re-checked (fs_set_pdeathsig), an
+ * optional setsid(), stdio redirected, every fd but 0..2 and keep_fds closed
+ * on exec, cwd changed.  A failure in any of those steps, the exec included,
+ * comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
+ * child already reaped.
+ *
+ * PR_SET_PDEATHSIG is tied to the calling *thread*: call this from a thread
+ * that lives as long as the process.
+ */
+int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
+{
+    struct child_args args;
+    sigset_t all;
+    void *stack;
+    pid_t pid;
+    int saved;
+
+    memset(&args, 0, sizeof(args));
+    args.spec = spec;
+    args.parent = getpid();
+    *pidfd = -1;
+
+    stack = mmap(NULL, CHILD_STACK_SIZE, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED)
+        return -1;
+
+    sigfillset(&all);
+    if (pthread_sigmask(SIG_SETMASK, &all, &args.parent_mask) != 0) {
+        munmap(stack, CHILD_STACK_SIZE);
+        return -1;
+    }
+    pid = clone(child_main, (char *)stack + CHILD_STACK_SIZE,
+                CLONE_VM | CLONE_VFORK | CLONE_PIDFD | SIGCHLD, &args, pidfd);
+    saved = errno;
+    pthread_sigmask(SIG_SETMASK, &args.parent_mask, NULL);
+    munmap(stack, CHILD_STACK_SIZE);
+
+    if (pid < 0) {
+        errno = saved;
+        return -1;
+    }
+    if (args.err != 0) {
+        int status;
+        while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+            ;
+        if (*pidfd >= 0)
+            close(*pidfd);
+        *pidfd = -1;
+        errno = args.err;
+        return -1;
+    }
+    return pid;
+}

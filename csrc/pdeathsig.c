@@ -1,0 +1,31 @@
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include "fastspawn.h"
+
+/* Arm PR_SET_PDEATHSIG(2const) with `sig` for the calling process, then
+ * re-check the parent.
+ *
+ * The signal only fires on the parent's death *after* prctl() ran: a parent
+ * that died between fork() and here has already reparented us, and nothing
+ * would ever fire.  So the caller passes the parent pid it recorded before
+ * forking; if getppid() no longer matches, this returns -1 with errno ESRCH and
+ * the caller must exit.  Async-signal-safe: usable between fork and exec.
+ *
+ * Note the kernel sends the signal when the parent *thread* that forked us
+ * exits, not the parent process: fork from a thread that lives as long as
+ * the process.
+ */
+int fs_set_pdeathsig(int sig, pid_t expected_ppid)
+{
+    if (prctl(PR_SET_PDEATHSIG, (unsigned long)sig, 0UL, 0UL, 0UL) != 0)
+        return -1;
+    if (expected_ppid > 0 && getppid() != expected_ppid) {
+        errno = ESRCH;
+        return -1;
+    }
+    return 0;
+}

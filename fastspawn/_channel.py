@@ -1,0 +1,159 @@
+"""The per-launch report channel: workers (and the server) to the caller.
+
+One SOCK_SEQPACKET socketpair per launch.  The caller keeps the receiving end;
+every worker of the launch (and the fork server, when one launched them)
+holds the sending end.  The pair is private to this process tree: nothing
+goes through the file system, so no other local user can plant a report, and
+nothing is left behind.
+
+Each message is a header (rank, kind, flags) and a body of at most
+``CHUNK`` bytes; seqpacket keeps message boundaries and sends each whole, so
+concurrent writers never interleave.  Longer bodies travel as several
+messages, the last one flagged.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+
+HEADER = struct.Struct("<iBB")
+CHUNK = 32 * 1024
+LAST = 1
+
+RESULT = 1       # body: pickled return value
+ERROR = 2        # body: the worker's formatted traceback, UTF-8
+UNPICKLABLE = 3  # body: why the return value could not be pickled, UTF-8
+EXIT = 4         # body: int32 (rank, exit status) pairs (server)
+PIDS = 5         # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
+LAUNCH_FAILED = 6  # body: the server's traceback, UTF-8 (rank -1)
+
+MAX_FDS = 250  # SCM_MAX_FD is 253 per message
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """(receiving end for the caller, sending end for the workers)."""
+    rx, tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return rx, tx
+
+
+def send(sock: socket.socket, rank: int, kind: int, body: bytes, flags: int = 0) -> None:
+    """Send ``body`` whole, in chunks; blocking."""
+    view = memoryview(body)
+    start = 0
+    while True:
+        piece = view[start : start + CHUNK]
+        start += len(piece)
+        last = start >= len(view)
+        sock.sendmsg([HEADER.pack(rank, kind, LAST if last else 0), piece], [], flags)
+        if last:
+            return
+
+
+def pack_statuses(values: list[int]) -> bytes:
+    return array.array("i", values).tobytes()
+
+
+def unpack_statuses(body: bytes) -> list[int]:
+    values = array.array("i")
+    values.frombytes(body)
+    return values.tolist()
+
+
+@dataclass
+class Reports:
+    """What the caller has read so far from one launch's channel."""
+
+    results: dict[int, bytes] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    unpicklable: dict[int, str] = field(default_factory=dict)
+    exits: dict[int, int] = field(default_factory=dict)
+    pids: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (pid, pidfd)
+    launch_failed: str | None = None
+    eof: bool = False
+    _partial: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+
+
+class Receiver:
+    """The caller's end of a launch channel."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.setblocking(False)
+        self.reports = Reports()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def drain(self) -> bool:
+        """Read every message queued now; never blocks.  True if any was read."""
+        got = False
+        while not self.reports.eof:
+            try:
+                got |= self._read_one()
+            except BlockingIOError:
+                break
+        return got
+
+    def read_blocking(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for one message.  False on timeout or EOF."""
+        if self.reports.eof:
+            return False
+        self.sock.settimeout(timeout)
+        try:
+            return self._read_one()
+        except (TimeoutError, socket.timeout):
+            return False
+        finally:
+            self.sock.setblocking(False)
+
+    def _read_one(self) -> bool:
+        fds_space = socket.CMSG_SPACE(MAX_FDS * 4)
+        data, ancdata, _flags, _addr = self.sock.recvmsg(HEADER.size + CHUNK, fds_space)
+        fds: list[int] = []
+        for level, ctype, cdata in ancdata:
+            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                fd_array = array.array("i")
+                fd_array.frombytes(cdata[: len(cdata) - (len(cdata) % fd_array.itemsize)])
+                fds.extend(fd_array)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            self.reports.eof = True
+            return False
+        rank, kind, flags = HEADER.unpack_from(data)
+        body = data[HEADER.size :]
+        r = self.reports
+        if kind == PIDS:
+            pids = unpack_statuses(body)
+            for i, pid in enumerate(pids):
+                r.pids[rank + i] = (pid, fds[i] if i < len(fds) else -1)
+            return True
+        for fd in fds:  # no other kind carries fds
+            os.close(fd)
+        if kind == EXIT:
+            pairs = unpack_statuses(body)
+            for i in range(0, len(pairs) - 1, 2):
+                r.exits[pairs[i]] = pairs[i + 1]
+            return True
+        key = (rank, kind)
+        parts = r._partial.setdefault(key, [])
+        parts.append(body)
+        if not flags & LAST:
+            return True
+        whole = b"".join(r._partial.pop(key))
+        if kind == RESULT:
+            r.results[rank] = whole
+        elif kind == ERROR:
+            r.errors[rank] = whole.decode("utf-8", "replace")
+        elif kind == UNPICKLABLE:
+            r.unpicklable[rank] = whole.decode("utf-8", "replace")
+        elif kind == LAUNCH_FAILED:
+            r.launch_failed = whole.decode("utf-8", "replace")
+        return True
+
+    def close(self) -> None:
+        self.sock.close()

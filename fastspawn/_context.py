@@ -1,0 +1,447 @@
+"""spawn / start_processes / ProcessContext: the torch.multiprocessing surface."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import signal
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fastspawn import _launch, _oscall
+from fastspawn._channel import Receiver, channel_pair
+from fastspawn._errors import (
+    ProcessExitedException,
+    ProcessRaisedException,
+    signal_name,
+)
+from fastspawn._pickling import describe_unpicklable
+from fastspawn._process import Process
+
+log = logging.getLogger(__name__)
+
+ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
+DEFAULT_START_METHOD = "spawn"
+
+# paddle.distributed.spawn options that it deprecated: accepted with a warning.
+_DEPRECATED_OPTIONS = ("selected_devices", "started_port", "cluster_node_ips", "node_ip", "use_paddlecloud")
+
+_live_contexts: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
+
+_CHANNEL = 1 << 62  # the waiter token of the report channel (ranks are the others)
+
+
+class ProcessContext:
+    """The workers of one launch, joined together.
+
+    Attributes:
+        processes: one :class:`fastspawn.Process` per rank.
+        return_values: ``{rank: value}`` once every rank succeeded.
+    """
+
+    def __init__(self, processes: list[Process], receiver: Receiver, daemon: bool = False) -> None:
+        self.processes = processes
+        self.return_values: dict[int, Any] = {}
+        self.daemon = daemon
+        self._receiver = receiver
+        self._waiter: _oscall.Waiter | None = _oscall.Waiter()
+        self._pending: dict[int, Process] = {}  # rank -> not yet seen to exit
+        self._watched: set[int] = set()  # ranks whose pidfd is in the waiter
+        self._waiter.add(receiver.fileno(), _CHANNEL)
+        for proc in processes:
+            self._waiter.add(proc.sentinel, proc.rank)
+            self._watched.add(proc.rank)
+            self._pending[proc.rank] = proc
+            proc.on_close = self._forget
+        self._failed = False
+        _live_contexts.add(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"<fastspawn.ProcessContext nprocs={len(self.processes)} "
+            f"running={len(self._pending)} pids={self.pids()[:8]}>"
+        )
+
+    def pids(self) -> list[int]:
+        """The workers' pids, by rank."""
+        return [int(p.pid) for p in self.processes]
+
+    def _forget(self, proc: Process) -> None:
+        """A worker's pidfd is about to close: stop watching it."""
+        if self._waiter is not None and proc.rank in self._watched:
+            self._waiter.remove(proc.sentinel)
+            self._watched.discard(proc.rank)
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        """Wait for any worker to exit; on a failure, stop the rest and raise.
+
+        Args:
+            timeout: seconds to wait (None: until some worker exits).
+            grace_period: after a failure, how long the others get to exit by
+                themselves before SIGTERM, and again before SIGKILL
+                (None: no wait before SIGTERM, 30 s before SIGKILL).
+
+        Returns:
+            True once every worker exited successfully (and on every later
+            call); False while some still run.
+
+        Raises:
+            ProcessRaisedException: a worker raised; the message ends with its
+                traceback.
+            ProcessExitedException: a worker exited non-zero or was killed.
+        """
+        if not self._pending:
+            self._finish()
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        error_rank = None
+        assert self._waiter is not None
+        while error_rank is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = self._waiter.wait(left)
+            except InterruptedError:
+                ready = []  # a handler ran without raising: keep waiting
+            exited = False
+            for token in ready:
+                if token == _CHANNEL:
+                    self._receiver.drain()
+                    continue
+                proc = self._pending.get(token)
+                if proc is None or proc.exitcode is None:
+                    continue
+                exited = True
+                del self._pending[token]
+                if proc.exitcode != 0:
+                    error_rank = token
+                    break
+            if exited or error_rank is not None:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if self._receiver.reports.eof and not ready:
+                # The channel closed but no exit was seen: poll every worker once.
+                for rank, proc in list(self._pending.items()):
+                    if proc.exitcode is not None:
+                        del self._pending[rank]
+                        if proc.exitcode != 0:
+                            error_rank = rank
+                            break
+                break
+        if error_rank is None:
+            if self._pending:
+                return False
+            self._finish()
+            return True
+        self._failed = True
+        self._stop_all(grace_period)
+        raise self._exception(error_rank)
+
+    def _wait_all(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for every pending worker to exit."""
+        deadline = time.monotonic() + timeout
+        assert self._waiter is not None
+        while self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                ready = self._waiter.wait(left)
+            except InterruptedError:
+                continue
+            for token in ready:
+                if token == _CHANNEL:
+                    self._receiver.drain()
+                    continue
+                proc = self._pending.get(token)
+                if proc is not None and proc.exitcode is not None:
+                    del self._pending[token]
+
+    def _stop_all(self, grace_period: float | None) -> None:
+        if grace_period is not None:
+            self._wait_all(grace_period)
+        for proc in list(self._pending.values()):
+            if proc.is_alive():
+                log.warning("Terminating process %s via signal SIGTERM", proc.pid)
+                proc.terminate()
+        self._wait_all(30 if grace_period is None else grace_period)
+        for proc in list(self._pending.values()):
+            if proc.is_alive():
+                log.warning(
+                    "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL",
+                    proc.pid,
+                )
+                proc.kill()
+        for proc in list(self._pending.values()):
+            proc.join()
+        self._pending.clear()
+        self._finish()
+
+    def _exception(self, rank: int) -> Exception:
+        proc = self.processes[rank]
+        code = proc.exitcode
+        assert code is not None
+        tb = self._receiver.reports.errors.get(rank)
+        if tb is not None:
+            msg = f"\n\n-- Process {rank:d} terminated with the following error:\n" + tb
+            return ProcessRaisedException(msg, rank, proc.pid)
+        if code < 0:
+            name = signal_name(-code)
+            return ProcessExitedException(
+                f"process {rank:d} terminated with signal {name}",
+                error_index=rank,
+                error_pid=proc.pid,
+                exit_code=code,
+                signal_name=name,
+            )
+        return ProcessExitedException(
+            f"process {rank:d} terminated with exit code {code:d}",
+            error_index=rank,
+            error_pid=proc.pid,
+            exit_code=code,
+        )
+
+    def _finish(self) -> None:
+        """Every worker is reaped: collect return values, release every fd."""
+        if self._waiter is None:
+            return
+        self._receiver.drain()
+        reports = self._receiver.reports
+        if not self._failed:
+            for rank in range(len(self.processes)):
+                if rank in reports.results:
+                    self.return_values[rank] = pickle.loads(reports.results[rank])
+                elif rank in reports.unpicklable:
+                    log.warning(
+                        "rank %d returned a value that cannot be pickled (%s); "
+                        "it is missing from return_values",
+                        rank,
+                        reports.unpicklable[rank],
+                    )
+        for proc in self.processes:
+            proc.on_close = None
+            if proc._exitcode is not None:
+                proc.close()
+        self._waiter.close()
+        self._waiter = None
+        self._receiver.close()
+        _live_contexts.discard(self)
+
+    def _shutdown_at_exit(self) -> None:
+        """What multiprocessing does at interpreter exit: terminate daemonic
+        workers, wait for the others."""
+        if self.daemon:
+            for proc in self.processes:
+                proc.terminate()
+        for proc in self.processes:
+            proc.join()
+        self._pending.clear()
+        self._finish()
+
+
+class SpawnContext(ProcessContext):
+    """Deprecated alias of :class:`ProcessContext`, as in torch."""
+
+    def __init__(self, processes: list[Process], receiver: Receiver, daemon: bool = False) -> None:
+        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
+        super().__init__(processes, receiver, daemon)
+
+
+@atexit.register
+def _at_exit() -> None:
+    for ctx in list(_live_contexts):
+        try:
+            ctx._shutdown_at_exit()
+        except Exception:
+            log.exception("fastspawn: could not shut down %r at exit", ctx)
+    _launch.stop_server()
+
+
+# -------------------------------------------------------------------- checks
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _check_nprocs(nprocs: Any) -> int:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
+    if nprocs == -1:
+        return _usable_cpus()
+    if nprocs < 1:
+        raise ValueError(
+            f"nprocs must be a positive number of processes (or -1 for one per usable CPU), "
+            f"got {nprocs}"
+        )
+    return nprocs
+
+
+def _check_envs(envs: Any, nprocs: int) -> dict[int, dict[str, str]]:
+    if envs is None:
+        return {}
+    if not isinstance(envs, Mapping):
+        raise TypeError(f"envs must be a dict {{rank: {{VAR: value}}}}, got {type(envs).__name__}")
+    checked: dict[int, dict[str, str]] = {}
+    for rank, env in envs.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nprocs:
+            raise ValueError(
+                f"envs has key {rank!r}, which is not a rank: keys must be ints in 0..{nprocs - 1}"
+            )
+        if not isinstance(env, Mapping):
+            raise TypeError(f"envs[{rank}] must be a dict of str to str, got {type(env).__name__}")
+        for key, value in env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(
+                    f"envs[{rank}] must map str to str; {key!r}: {value!r} is "
+                    f"{type(key).__name__} to {type(value).__name__}"
+                )
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise ValueError(f"envs[{rank}] has an invalid variable name or value: {key!r}")
+        checked[rank] = dict(env)
+    return checked
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    for key in options:
+        if key in _DEPRECATED_OPTIONS:
+            warnings.warn(
+                f"The option {key!r} is deprecated and ignored by fastspawn.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        else:
+            raise ValueError(
+                f"unknown option {key!r} for fastspawn.start_processes; known keyword "
+                "options are envs, and (deprecated, ignored) " + ", ".join(_DEPRECATED_OPTIONS)
+            )
+
+
+# ---------------------------------------------------------------- public API
+
+
+def start_processes(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = DEFAULT_START_METHOD,
+    *,
+    envs: Mapping[int, Mapping[str, str]] | None = None,
+    **options: Any,
+) -> ProcessContext:
+    """Run ``fn(i, *args)`` in ``nprocs`` processes, ``i`` being the rank.
+
+    Args:
+        fn: the function; for spawn-like start methods it must be picklable
+            (defined at module top level).
+        args: extra positional arguments, a tuple or list.
+        nprocs: number of processes; -1 means one per CPU this process may use.
+        join: block until all succeed or one fails (then raise).
+        daemon: mark the workers daemonic: at interpreter exit they are
+            terminated rather than waited for.
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        envs: ``{rank: {VAR: value}}`` set in that rank before ``fn`` runs.
+
+    Returns:
+        The :class:`ProcessContext` (joined when ``join`` is True; torch
+        returns None there, and returning the context breaks no caller).
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any process starts.
+        pickle.PicklingError: ``fn`` or an argument cannot be pickled for a
+            spawn-like start method; the message names which.
+        ProcessRaisedException, ProcessExitedException: with ``join``, a
+            worker failed.
+    """
+    _check_options(options)
+    nprocs = _check_nprocs(nprocs)
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r:.80}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    if start_method not in _launch.START_METHODS:
+        raise ValueError(
+            f"unknown start_method {start_method!r}; choose one of "
+            + ", ".join(repr(m) for m in _launch.START_METHODS)
+        )
+    checked_envs = _check_envs(envs, nprocs)
+    if start_method in _launch.SPAWN_LIKE:
+        problem = describe_unpicklable(fn, args, start_method)
+        if problem is not None:
+            raise pickle.PicklingError(problem)
+    if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
+        log.debug("%s=1: fastspawn launches concurrently anyway", ENV_VAR_PARALLEL_START)
+
+    request = _launch.LaunchRequest(
+        fn=fn,
+        args=tuple(args),
+        nprocs=nprocs,
+        daemon=bool(daemon),
+        start_method=start_method,
+        envs=checked_envs,
+    )
+    rx_sock, tx = channel_pair()
+    receiver = Receiver(rx_sock)
+    try:
+        started = _launch.launch(request, tx, receiver)
+    except BaseException:
+        receiver.close()
+        raise
+    finally:
+        tx.close()
+    processes = [
+        Process(rank, pid, pidfd, receiver, is_child)
+        for rank, (pid, pidfd, is_child) in enumerate(started)
+    ]
+    context = ProcessContext(processes, receiver, daemon=bool(daemon))
+    if not join:
+        return context
+    try:
+        while not context.join():
+            pass
+    except BaseException as exc:
+        if not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
+            # Ctrl-C or another error in the caller: leave nothing running.
+            context._failed = True
+            for proc in context.processes:
+                proc.kill()
+            for proc in context.processes:
+                proc.join()
+            context._pending.clear()
+            context._finish()
+        raise
+    return context
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+    **kwargs: Any,
+) -> ProcessContext:
+    """Like :func:`start_processes`, always with the spawn start method.
+
+    A different ``start_method`` warns (FutureWarning) and is ignored, as in
+    torch.
+    """
+    if start_method != "spawn":
+        msg = (
+            f"This method only supports start_method=spawn (got: {start_method}).\n"
+            "To use a different start_method use:\n\t\t"
+            " fastspawn.start_processes(...)"
+        )
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn", **kwargs)

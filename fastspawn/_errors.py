@@ -1,0 +1,68 @@
+"""The exception family of torch.multiprocessing, field for field."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+
+class ProcessException(Exception):
+    """A worker process failed.
+
+    Attributes:
+        msg: the message.
+        error_index: the rank that failed.
+        error_pid: its pid (also available as ``pid``).
+    """
+
+    __slots__ = ["error_index", "error_pid", "msg"]
+
+    def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.error_pid = error_pid
+
+    @property
+    def pid(self) -> int:
+        """The failed process's pid (upstream versions name it either way)."""
+        return self.error_pid
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.msg, self.error_index, self.error_pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """A worker raised an exception; the message carries its traceback."""
+
+
+class ProcessExitedException(ProcessException):
+    """A worker exited with a non-zero code or was killed by a signal."""
+
+    __slots__ = ["exit_code", "signal_name"]
+
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int,
+        exit_code: int,
+        signal_name: str | None = None,
+    ) -> None:
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),
+        )
+
+
+def signal_name(signum: int) -> str:
+    """``SIGABRT`` for 6; ``<Unknown signal N>`` for numbers without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"<Unknown signal {signum}>"

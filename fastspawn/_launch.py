@@ -1,0 +1,278 @@
+"""Start methods: how the workers of one launch come to life.
+
+Every method returns, per rank, ``(pid, pidfd, is_child)`` and leaves the
+workers reporting on the launch's channel.  PR_SET_PDEATHSIG is tied to the
+*thread* that forks, so launches from any thread but the main one run on a
+fastspawn thread that lives as long as the process (the checkpoint client
+starts workers from a pool thread that may exit right after).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastspawn import _oscall, _pickling, _worker
+from fastspawn._channel import Receiver
+from fastspawn._server import ServerClient
+
+T = TypeVar("T")
+
+START_METHODS = ("spawn", "fork", "forkserver")
+SPAWN_LIKE = ("spawn", "forkserver")
+
+_SPAWN_ENTRY = "from fastspawn._worker import spawn_main; spawn_main()"
+
+
+@dataclass
+class LaunchRequest:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    nprocs: int
+    daemon: bool
+    start_method: str
+    envs: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+
+
+Started = list[tuple[int, int, bool]]
+
+
+# ------------------------------------------------------------ launcher thread
+
+_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+_thread: threading.Thread | None = None
+_thread_lock = threading.Lock()
+
+
+def _launcher_loop() -> None:
+    while True:
+        job, future = _jobs.get()
+        try:
+            future.set_result(job())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+
+def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` on a thread that outlives every caller: the main thread
+    when we are on it, else fastspawn's own daemon launcher thread."""
+    global _thread
+    if threading.current_thread() is threading.main_thread():
+        return fn(*args, **kwargs)
+    with _thread_lock:
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_launcher_loop, name="fastspawn-launcher", daemon=True)
+            _thread.start()
+    future: Future[T] = Future()
+    _jobs.put((lambda: fn(*args, **kwargs), future))
+    return future.result()
+
+
+def _reset_after_fork() -> None:
+    global _thread, _server
+    _thread = None  # the launcher thread does not exist in a forked child
+    _server = None  # nor is the fork server ours
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def _kill_started(started: Started) -> None:
+    """Undo a launch that failed half-way: kill and reap what did start."""
+    for _pid, pidfd, is_child in started:
+        try:
+            _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if is_child:
+            try:
+                _oscall.pidfd_wait(pidfd, nohang=False)
+            except ChildProcessError:
+                pass
+        os.close(pidfd)
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+
+
+def _tracker_fd() -> int | None:
+    """The resource tracker's fd if one is running (children then share it)."""
+    from multiprocessing import resource_tracker
+
+    fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    return fd if isinstance(fd, int) else None
+
+
+def _payload_memfd(data: bytes) -> int:
+    """An anonymous, private file holding ``data``: nothing on disk to plant."""
+    fd = os.memfd_create("fastspawn-payload", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# ------------------------------------------------------------------- methods
+
+
+def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+    started: Started = []
+    parent = os.getpid()
+    _flush_std_streams()
+    try:
+        for rank in range(req.nprocs):
+            pid = os.fork()
+            if pid == 0:
+                _worker.forked_child(
+                    rank,
+                    parent,
+                    req.fn,
+                    req.args,
+                    tx,
+                    daemon=req.daemon,
+                    rank_env=req.envs.get(rank),
+                    close_fds=[rx.fileno()],
+                )
+            started.append((pid, _oscall.pidfd_open(pid), True))
+    except BaseException:
+        _kill_started(started)
+        raise
+    return started
+
+
+def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+    from multiprocessing import spawn
+
+    collector = _pickling.FdCollector()
+    preparation = spawn.get_preparation_data("fastspawn-worker")
+    payload_fd = _payload_memfd(_pickling.dumps([preparation, (req.fn, req.args)], collector))
+    tracker = _tracker_fd()
+    argv = [
+        sys.executable,
+        *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+        "-c",
+        _SPAWN_ENTRY,
+    ]
+    tail = [str(payload_fd), str(tx.fileno()), "1" if req.daemon else "0", str(tracker or -1)]
+    tail += [str(fd) for fd in collector.fds]
+    keep = [payload_fd, tx.fileno(), *collector.fds] + ([tracker] if tracker is not None else [])
+    base_env = dict(os.environ)
+    started: Started = []
+    _flush_std_streams()
+    try:
+        for rank in range(req.nprocs):
+            env = {**base_env, **req.envs.get(rank, {})}
+            pid, pidfd = _oscall.launch(
+                sys.executable,
+                argv + [str(rank)] + tail,
+                env,
+                keep_fds=keep,
+                pdeathsig=signal.SIGKILL,
+            )
+            started.append((pid, pidfd, True))
+    except BaseException:
+        _kill_started(started)
+        raise
+    finally:
+        os.close(payload_fd)
+    return started
+
+
+_server: ServerClient | None = None
+_server_lock = threading.Lock()
+_preload: list[str] = []
+
+
+def get_server() -> ServerClient:
+    """The caller's fork server, started on first use or after it died."""
+    global _server
+    with _server_lock:
+        if _server is not None and not _server.alive():
+            _server.close()
+            _server = None
+        if _server is None:
+            _server = ServerClient(_preload)
+        return _server
+
+
+def stop_server() -> None:
+    """Stop the fork server, if one runs; the next launch starts a new one."""
+    global _server
+    with _server_lock:
+        if _server is not None:
+            _server.close()
+            _server = None
+
+
+def _launch_forkserver(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+    collector = _pickling.FdCollector()
+    payload_fd = _payload_memfd(_pickling.dumps([(req.fn, req.args)], collector))
+    tracker = _tracker_fd()
+    tracker_index = None
+    if tracker is not None:
+        tracker_index = collector.duplicate_for_child(tracker)
+    header = {
+        "nprocs": req.nprocs,
+        "daemon": req.daemon,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "envs": {rank: dict(env) for rank, env in req.envs.items()},
+        "tracker_index": tracker_index,
+    }
+    try:
+        server = get_server()
+        server.request(header, [tx.fileno(), payload_fd, *collector.fds])
+    finally:
+        os.close(payload_fd)
+    reports = rx.reports
+    while len(reports.pids) < req.nprocs and reports.launch_failed is None:
+        if not rx.read_blocking(None) and reports.eof:
+            break
+    started: Started = [reports.pids[rank] + (False,) for rank in sorted(reports.pids)]
+    if reports.launch_failed is not None or len(started) < req.nprocs:
+        _kill_started(started)
+        why = reports.launch_failed or "the fork server died during the launch"
+        raise RuntimeError(f"fastspawn: the fork server could not start the workers:\n{why}")
+    return started
+
+
+_METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]] = {
+    "fork": _launch_fork,
+    "spawn": _launch_spawn,
+    "forkserver": _launch_forkserver,
+}
+
+
+def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+    """Start every rank of ``req``; on failure nothing is left running."""
+    method = _METHODS[req.start_method]
+    if req.start_method == "forkserver":
+        return method(req, tx, rx)  # the server does the forking
+    return on_launcher_thread(method, req, tx, rx)
+
+
+def configure_preload(modules: Sequence[str]) -> None:
+    _preload[:] = list(modules)

@@ -1,0 +1,183 @@
+"""Python face of the C core: errno-honest wrappers, one helper for errors."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from fastspawn._core import ffi, lib
+
+# Tests patch this off to exercise the paths taken on kernels without pidfds.
+HAVE_PIDFD = True
+
+
+def _raise_errno(call: str) -> NoReturn:
+    """Turn the errno of a failed C call into the matching OSError subclass."""
+    err = ffi.errno
+    # OSError(errno, ...) picks the subclass itself (ProcessLookupError, ...).
+    raise OSError(err, f"{os.strerror(err)} (from {call})")
+
+
+def set_pdeathsig(sig: int, expected_ppid: int) -> None:
+    """Arm PR_SET_PDEATHSIG and re-check the parent.
+
+    Raises:
+        ProcessLookupError: the parent is no longer ``expected_ppid`` (it died
+            before prctl ran); the caller must exit.
+    """
+    if lib.fs_set_pdeathsig(sig, expected_ppid) != 0:
+        _raise_errno("fs_set_pdeathsig")
+
+
+def pidfd_open(pid: int) -> int:
+    """Return a close-on-exec pidfd for ``pid``."""
+    fd = lib.fs_pidfd_open(pid, 0)
+    if fd < 0:
+        _raise_errno("pidfd_open")
+    return int(fd)
+
+
+def pidfd_send_signal(pidfd: int, sig: int) -> None:
+    """Signal the process behind ``pidfd``.  ProcessLookupError once it exited."""
+    if lib.fs_pidfd_send_signal(pidfd, sig) != 0:
+        _raise_errno("pidfd_send_signal")
+
+
+def pidfd_wait(pidfd: int, nohang: bool) -> int | None:
+    """Reap the child behind ``pidfd``.
+
+    Returns:
+        The exit status (exit code, or minus the signal number), or None when
+        ``nohang`` is set and the child is still running.
+
+    Raises:
+        InterruptedError: a signal arrived during a blocking wait.
+        ChildProcessError: not our child, or already reaped.
+    """
+    pid = ffi.new("pid_t *")
+    status = ffi.new("int *")
+    if lib.fs_pidfd_wait(pidfd, 1 if nohang else 0, pid, status) != 0:
+        _raise_errno("waitid(P_PIDFD)")
+    if pid[0] == 0:
+        return None
+    return int(status[0])
+
+
+class Waiter:
+    """An epoll set over many fds, each with an integer token.
+
+    ``add`` and ``remove`` are O(1); ``wait`` returns the tokens of every fd
+    that is ready, at a cost in ready entries, not in watched ones.
+    """
+
+    def __init__(self) -> None:
+        fd = lib.fs_waiter_new()
+        if fd < 0:
+            _raise_errno("epoll_create1")
+        self._epfd: int = int(fd)
+        self._count = 0
+        self._buf: Any = ffi.new("uint64_t[]", 64)
+
+    def fileno(self) -> int:
+        return self._epfd
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, fd: int, token: int) -> None:
+        if lib.fs_waiter_add(self._epfd, fd, token) != 0:
+            _raise_errno("epoll_ctl(EPOLL_CTL_ADD)")
+        self._count += 1
+
+    def remove(self, fd: int) -> None:
+        if lib.fs_waiter_remove(self._epfd, fd) != 0:
+            _raise_errno("epoll_ctl(EPOLL_CTL_DEL)")
+        self._count -= 1
+
+    def wait(self, timeout: float | None) -> list[int]:
+        """Tokens of the ready fds; [] when ``timeout`` (seconds) ran out.
+
+        Raises:
+            InterruptedError: a signal arrived; Python's handler has run.
+        """
+        want = max(self._count, 1)
+        if len(self._buf) < want:
+            self._buf = ffi.new("uint64_t[]", want)
+        if timeout is None:
+            ms = -1
+        else:
+            # Round up so that a short timeout does not become a busy poll.
+            ms = max(0, int(timeout * 1000 + 0.999))
+        n = lib.fs_waiter_wait(self._epfd, self._buf, want, ms)
+        if n < 0:
+            _raise_errno("epoll_wait")
+        return [int(self._buf[i]) for i in range(n)]
+
+    def close(self) -> None:
+        if self._epfd >= 0:
+            os.close(self._epfd)
+            self._epfd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _cstrings(items: Iterable[bytes], keep: list[Any]) -> Any:
+    cells = [ffi.new("char[]", item) for item in items]
+    keep.extend(cells)
+    array = ffi.new("char *[]", cells + [ffi.NULL])
+    keep.append(array)
+    return array
+
+
+def launch(
+    path: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    cwd: str | None = None,
+    stdin: int = -1,
+    stdout: int = -1,
+    stderr: int = -1,
+    keep_fds: Sequence[int] = (),
+    pdeathsig: int = 0,
+    new_session: bool = False,
+) -> tuple[int, int]:
+    """Start a binary without copying the caller's memory (clone + exec).
+
+    Returns:
+        ``(pid, pidfd)``.
+
+    Raises:
+        OSError: the child could not be set up or exec'd; the subclass matches
+            the errno (FileNotFoundError, PermissionError, ...) and the
+            message names ``path``.
+    """
+    keep: list[Any] = []
+    fsenc = os.fsencode
+    c_path = ffi.new("char[]", fsenc(path))
+    c_cwd = ffi.new("char[]", fsenc(cwd)) if cwd is not None else ffi.NULL
+    c_fds = ffi.new("int[]", list(keep_fds)) if keep_fds else ffi.NULL
+    spec = ffi.new(
+        "struct fs_launch_spec *",
+        {
+            "path": c_path,
+            "argv": _cstrings((fsenc(a) for a in argv), keep),
+            "envp": _cstrings((fsenc(k) + b"=" + fsenc(v) for k, v in env.items()), keep),
+            "cwd": c_cwd,
+            "stdin_fd": stdin,
+            "stdout_fd": stdout,
+            "stderr_fd": stderr,
+            "keep_fds": c_fds,
+            "n_keep_fds": len(keep_fds),
+            "pdeathsig": pdeathsig,
+            "new_session": 1 if new_session else 0,
+        },
+    )
+    pidfd = ffi.new("int *")
+    pid = lib.fs_launch(spec, pidfd)
+    if pid < 0:
+        err = ffi.errno
+        raise OSError(err, f"{os.strerror(err)} (from fs_launch)", path)
+    return int(pid), int(pidfd[0])

@@ -1,0 +1,164 @@
+"""Process handles: what ``ProcessContext.processes`` holds, one per rank."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+
+from fastspawn import _oscall
+from fastspawn._channel import Receiver
+
+log = logging.getLogger(__name__)
+
+
+def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
+    """The fds among ``fds`` that poll readable within ``timeout`` seconds.
+
+    poll(2), not select(2): pidfds of large jobs are numbered past 1024.
+    """
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    try:
+        return [fd for fd, _ in poller.poll(ms)]
+    except InterruptedError:
+        return []
+
+
+class Process:
+    """One worker, driven through its pidfd.
+
+    Offers what callers use on ``multiprocessing.Process``: ``pid``,
+    ``exitcode``, ``is_alive()``, ``join(timeout)``, ``terminate()``,
+    ``kill()``, ``sentinel`` (readable once the worker exited).
+
+    A worker is either our child (its exit status comes from waitid on the
+    pidfd) or the fork server's (the server reports it on the launch's
+    channel).  Either way the channel is drained while waiting, so a worker
+    blocked sending a large result is never left waiting on us.
+    """
+
+    def __init__(
+        self, rank: int, pid: int, pidfd: int, receiver: Receiver, is_child: bool
+    ) -> None:
+        self.rank = rank
+        self.pid = pid
+        self._pidfd = pidfd
+        self._receiver = receiver
+        self._is_child = is_child
+        self._exitcode: int | None = None
+        self.name = f"fastspawn-worker-{rank}"
+        # Called just before the pidfd is closed (the context unregisters it).
+        self.on_close: Callable[[Process], None] | None = None
+
+    def __repr__(self) -> str:
+        if self._exitcode is None:
+            state = "alive" if self.is_alive() else "exited"
+        else:
+            state = f"exitcode={self._exitcode}"
+        return f"<fastspawn.Process rank={self.rank} pid={self.pid} {state}>"
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that polls readable once the worker has exited."""
+        if self._pidfd < 0:
+            raise ValueError(f"process {self.pid} was reaped and its pidfd closed")
+        return self._pidfd
+
+    @property
+    def exitcode(self) -> int | None:
+        """The exit code, minus the signal number, or None while running."""
+        if self._exitcode is None:
+            self._poll()
+        return self._exitcode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def _exited(self) -> bool:
+        """Whether the pidfd polls readable (the worker is gone, maybe unreaped)."""
+        return bool(wait_readable([self._pidfd], 0))
+
+    def _poll(self) -> None:
+        """Collect the exit status if the worker has exited; never blocks long."""
+        if self._exitcode is not None or self._pidfd < 0:
+            return
+        self._receiver.drain()
+        if self._is_child:
+            status = _oscall.pidfd_wait(self._pidfd, nohang=True)
+            if status is not None:
+                self._set_exit(status)
+            return
+        reports = self._receiver.reports
+        if self.rank not in reports.exits and self._exited():
+            # The server reaps at once and reports; wait for that word, or for
+            # the channel's end if the server itself died.
+            deadline = time.monotonic() + 5.0
+            while self.rank not in reports.exits and not reports.eof:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._receiver.read_blocking(left):
+                    break
+                self._receiver.drain()
+            if self.rank not in reports.exits:
+                log.error(
+                    "no exit status came for worker %d (pid %d): the fastspawn fork "
+                    "server has died; counting it as killed by SIGKILL",
+                    self.rank,
+                    self.pid,
+                )
+                reports.exits[self.rank] = -signal.SIGKILL
+        if self.rank in reports.exits:
+            self._set_exit(reports.exits[self.rank])
+
+    def _set_exit(self, status: int) -> None:
+        self._exitcode = status
+        self.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for the worker to exit, and reap it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            fds = [self._pidfd]
+            if not self._receiver.reports.eof:
+                fds.append(self._receiver.fileno())
+            wait_readable(fds, left)
+
+    def _signal(self, sig: int) -> None:
+        if self._exitcode is not None or self._pidfd < 0:
+            return
+        try:
+            _oscall.pidfd_send_signal(self._pidfd, sig)
+        except ProcessLookupError:
+            pass  # exited already: nothing to do
+
+    def terminate(self) -> None:
+        """Send SIGTERM (never to a process that reused the pid)."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Send SIGKILL (never to a process that reused the pid)."""
+        self._signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Release the pidfd.  Reaps first when the worker is our child."""
+        if self._pidfd < 0:
+            return
+        if self._is_child and self._exitcode is None:
+            raise ValueError(f"cannot close process {self.pid}: it has not been reaped")
+        if self.on_close is not None:
+            self.on_close(self)
+        try:
+            os.close(self._pidfd)
+        except OSError as exc:  # pragma: no cover - EBADF would be our bug
+            if exc.errno != errno.EBADF:
+                raise
+        self._pidfd = -1

@@ -1,0 +1,223 @@
+"""The worker side: run ``fn(rank, *args)``, report, exit.
+
+Three entries, one per way a worker comes to life:
+- ``forked_child``: right after os.fork() in the caller (start method "fork")
+  or in the fork server ("forkserver").
+- ``spawn_main``: a fresh interpreter exec'd by the C launcher ("spawn").
+Each ends in ``os._exit`` with the worker's exit code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import pickle
+import random
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from fastspawn import _channel, _oscall, _pickling
+
+# Raised SystemExit codes that are not ints print and exit 1, as Python does.
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run(rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socket) -> int:
+    """Call ``fn(rank, *args)`` and report its outcome on ``tx``.
+
+    Returns the exit code.  A KeyboardInterrupt (SIGINT) does not pass as
+    success, as it does under torch: the worker dies by SIGINT after its
+    finalizers ran, so the caller sees the signal.
+    """
+    interrupted = False
+    code = 0
+    try:
+        value = fn(rank, *args)
+    except KeyboardInterrupt:
+        interrupted = True
+        code = 1
+    except SystemExit as exc:
+        code = _exit_code(exc)
+        value = None
+    except BaseException:
+        _channel.send(tx, rank, _channel.ERROR, traceback.format_exc().encode("utf-8", "replace"))
+        code = 1
+    if code == 0:
+        try:
+            body = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            _channel.send(tx, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
+        else:
+            _channel.send(tx, rank, _channel.RESULT, body)
+    if interrupted:
+        return -signal.SIGINT
+    return code
+
+
+def _finish(code: int, run_atexit: bool) -> NoReturn:
+    """Run what multiprocessing runs at a worker's end, then exit."""
+    try:
+        from multiprocessing import util
+
+        util._exit_function()
+        threading._shutdown()  # type: ignore[attr-defined]
+        if run_atexit:
+            atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF)
+
+
+def _after_fork(rank: int, daemon: bool) -> None:
+    """Reset the multiprocessing state a forked worker inherited."""
+    from multiprocessing import process, util
+
+    util._finalizer_registry.clear()
+    util._run_after_forkers()
+    process._children = set()  # type: ignore[attr-defined]
+    current = process.current_process()
+    current._config["daemon"] = daemon  # type: ignore[attr-defined]
+    current.name = f"fastspawn-worker-{rank}"
+
+
+def reseed() -> None:
+    """Give a forked worker its own random streams, as a fresh interpreter has."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed()
+        except Exception:
+            pass
+
+
+def forked_child(
+    rank: int,
+    parent: int,
+    fn: Callable[..., Any] | None,
+    args: Sequence[Any],
+    tx: socket.socket,
+    *,
+    daemon: bool,
+    env: Mapping[str, str] | None = None,
+    rank_env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    payload_error: str | None = None,
+    close_fds: Sequence[int] = (),
+) -> NoReturn:
+    """Entry of a worker right after fork(); never returns.
+
+    ``parent`` is the pid that forked us, recorded before the fork, for the
+    PR_SET_PDEATHSIG race check.  ``env`` replaces the environment (the fork
+    server passes the caller's current one); ``rank_env`` is applied on top.
+    """
+    code = 1
+    try:
+        try:
+            _oscall.set_pdeathsig(signal.SIGKILL, parent)
+        except ProcessLookupError:
+            os._exit(1)  # the parent died before prctl: nobody wants us
+        for fd in close_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if rank_env:
+            os.environ.update(rank_env)
+        if cwd is not None:
+            os.chdir(cwd)
+        _after_fork(rank, daemon)
+        if payload_error is not None:
+            _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
+        else:
+            assert fn is not None
+            code = run(rank, fn, args, tx)
+    except BaseException:
+        traceback.print_exc()
+    _finish(code, run_atexit=False)
+
+
+def read_payload(fd: int) -> io.BytesIO:
+    """The whole payload memfd, read at explicit offsets, then closed."""
+    try:
+        size = os.fstat(fd).st_size
+        chunks = []
+        offset = 0
+        while offset < size:
+            chunk = os.pread(fd, size - offset, offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+    finally:
+        os.close(fd)
+    return io.BytesIO(b"".join(chunks))
+
+
+def spawn_main() -> NoReturn:
+    """Entry of a spawned worker (a fresh interpreter); never returns.
+
+    argv: rank, payload fd, channel fd, daemon flag, resource tracker fd
+    (-1: none), then the inherited fds.  PR_SET_PDEATHSIG was armed before
+    exec by the C launcher, with the parent re-checked.
+    """
+    rank = int(sys.argv[1])
+    payload_fd = int(sys.argv[2])
+    tx = socket.socket(fileno=int(sys.argv[3]))
+    daemon = sys.argv[4] == "1"
+    tracker_fd = int(sys.argv[5])
+    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[6:]]
+    code = 1
+    try:
+        # Every rank shares one payload file description, hence one offset:
+        # read it with pread, never with read.
+        with read_payload(payload_fd) as payload:
+            from multiprocessing import process, spawn
+
+            if tracker_fd >= 0:
+                from multiprocessing import resource_tracker
+
+                resource_tracker._resource_tracker._fd = tracker_fd  # type: ignore[attr-defined]
+            try:
+                preparation = pickle.load(payload)
+                spawn.prepare(preparation)
+                process.current_process()._config["daemon"] = daemon  # type: ignore[attr-defined]
+                process.current_process().name = f"fastspawn-worker-{rank}"
+                fn, args = pickle.load(payload)
+            except BaseException:
+                _channel.send(tx, rank, _channel.ERROR, traceback.format_exc().encode())
+            else:
+                for fd in _pickling.inherited_fds:
+                    os.close(fd)  # the unpickled objects hold their own dups
+                code = run(rank, fn, args, tx)
+    except BaseException:
+        traceback.print_exc()
+    _finish(code, run_atexit=True)
