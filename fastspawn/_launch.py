@@ -274,5 +274,15 @@ def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     return on_launcher_thread(method, req, tx, rx)
 
 
+def helper_processes() -> tuple[set[int], set[int]]:
+    """(pids, fds) of fastspawn's long-lived helpers in this process: the fork
+    server and its control socket.  Leak checks leave these alone."""
+    server = _server
+    if server is None or server.owner != os.getpid():
+        return set(), set()
+    fds = {server.control.fileno(), server.pidfd} - {-1}
+    return {server.pid}, fds
+
+
 def configure_preload(modules: Sequence[str]) -> None:
     _preload[:] = list(modules)

@@ -136,6 +136,12 @@ class _Server:
         args: Any = ()
         payload_error = None
         try:
+            # Take on the caller's current environment and cwd before
+            # unpickling: imports run here, and must see what a spawned
+            # interpreter would.  The workers inherit both.
+            os.environ.clear()
+            os.environ.update(header["env"])
+            os.chdir(header["cwd"])
             _pickling.inherited_fds[:] = user_fds
             if header["tracker_index"] is not None:
                 from multiprocessing import resource_tracker
@@ -168,9 +174,7 @@ class _Server:
                         args,
                         tx,
                         daemon=bool(header["daemon"]),
-                        env=header["env"],
                         rank_env=envs.get(rank),
-                        cwd=header["cwd"],
                         payload_error=payload_error,
                         close_fds=self.own_fds(),
                     )

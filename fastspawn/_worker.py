@@ -124,17 +124,15 @@ def forked_child(
     tx: socket.socket,
     *,
     daemon: bool,
-    env: Mapping[str, str] | None = None,
     rank_env: Mapping[str, str] | None = None,
-    cwd: str | None = None,
     payload_error: str | None = None,
     close_fds: Sequence[int] = (),
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
     ``parent`` is the pid that forked us, recorded before the fork, for the
-    PR_SET_PDEATHSIG race check.  ``env`` replaces the environment (the fork
-    server passes the caller's current one); ``rank_env`` is applied on top.
+    PR_SET_PDEATHSIG race check.  ``rank_env`` is applied to the environment
+    before ``fn`` runs.
     """
     code = 1
     try:
@@ -147,13 +145,8 @@ def forked_child(
                 os.close(fd)
             except OSError:
                 pass
-        if env is not None:
-            os.environ.clear()
-            os.environ.update(env)
         if rank_env:
             os.environ.update(rank_env)
-        if cwd is not None:
-            os.chdir(cwd)
         _after_fork(rank, daemon)
         if payload_error is not None:
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))

@@ -1,0 +1,97 @@
+"""Leak checks for every test: no child process, zombie or fd may remain."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from fastspawn import _launch
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+PATIENCE = 5.0  # seconds a test's processes get to go away by themselves
+
+
+def _children() -> dict[int, psutil.Process]:
+    return {p.pid: p for p in psutil.Process().children(recursive=True)}
+
+
+def _fds() -> dict[int, str]:
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the listing's own fd, gone already
+    return fds
+
+
+def _helpers() -> tuple[set[int], set[int]]:
+    pids, fds = _launch.helper_processes()
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_pid", None):
+        pids.add(tracker._pid)
+    if isinstance(getattr(tracker, "_fd", None), int):
+        fds.add(tracker._fd)
+    return pids, fds
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail a test that leaves a child, a zombie or an fd behind.
+
+    Leftover children are killed (by pid, only ours) and reaped first, so one
+    leaky test does not spill into the next.
+    """
+    before_children = set(_children())
+    before_fds = set(_fds())
+    yield
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        helper_pids, helper_fds = _helpers()
+        left = {
+            pid: p
+            for pid, p in _children().items()
+            if pid not in before_children and pid not in helper_pids
+        }
+        # Descendants of the fork server are its workers: ours to check too,
+        # but the server itself is shared infrastructure.
+        fds = {fd: target for fd, target in _fds().items() if fd not in before_fds | helper_fds}
+        if (not left and not fds) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    described = []
+    for pid, proc in left.items():
+        try:
+            described.append(f"{pid} {proc.status()} {' '.join(proc.cmdline())[:80]}")
+            os.kill(pid, signal.SIGKILL)
+        except (psutil.Error, ProcessLookupError):
+            pass
+    for pid in left:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    problems = []
+    if described:
+        problems.append(f"processes left behind: {described}")
+    if fds:
+        problems.append(f"fds left open: {fds}")
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

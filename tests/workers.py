@@ -1,0 +1,141 @@
+"""Worker functions for the tests: module level, so every start method can
+pickle them by reference."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import fastspawn
+
+
+def succeed(rank: int) -> int:
+    return rank
+
+
+def put_rank(rank: int, queue: Any) -> None:
+    queue.put(rank)
+
+
+def raise_on(rank: int, bad_rank: int, sleep: float = 1.0) -> None:
+    if rank == bad_rank:
+        raise ValueError(f"legitimate exception from process {rank}")
+    time.sleep(sleep)
+
+
+def raise_after_random_sleep(rank: int) -> None:
+    time.sleep(random.random() / 10)
+    raise ValueError(f"legitimate exception from process {rank}")
+
+
+def abort_rank0(rank: int) -> None:
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGABRT)
+    time.sleep(1)
+
+
+def exit_rank0(rank: int, code: int, sleep: float) -> None:
+    if rank == 0:
+        sys.exit(code)
+    time.sleep(sleep)
+
+
+def return_or_raise(rank: int) -> None:
+    if rank == 0:
+        return
+    time.sleep(0.1)
+    raise ValueError("legitimate exception")
+
+
+def no_args() -> None:  # called as fn(rank): TypeError in the child
+    pass
+
+
+def sigterm_self(rank: int) -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+
+
+def kill_self_with(rank: int, signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(5)
+
+
+def sleep_for(rank: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def sleep_forever(rank: int) -> None:
+    while True:
+        time.sleep(60)
+
+
+def nested(rank: int, start_method: str, queue: Any) -> None:
+    """Start two grandchildren, report their pids, then die by SIGTERM."""
+    ctx = fastspawn.start_processes(
+        sleep_forever, nprocs=2, join=False, start_method=start_method
+    )
+    queue.put(ctx.pids())
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+
+
+def report_env(rank: int, names: list[str]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
+
+
+def big_result(rank: int, size: int) -> bytes:
+    return bytes([rank % 256]) * size
+
+
+def exit_zero(rank: int) -> None:
+    sys.exit(0)
+
+
+def interrupt_self(rank: int) -> None:
+    raise KeyboardInterrupt
+
+
+def return_unpicklable(rank: int) -> Any:
+    return lambda: rank
+
+
+def wait_on_pipe(rank: int, conn: Any) -> str:
+    """Report in, then wait for the word to finish."""
+    conn.send(("ready", rank, os.getpid()))
+    return str(conn.recv())
+
+
+def echo_pipe(rank: int, conn: Any) -> None:
+    conn.send(conn.recv() * 2)
+    conn.close()
+
+
+def queue_roundtrip(rank: int, inbox: Any, outbox: Any) -> None:
+    outbox.put((rank, inbox.get(timeout=30)))
+
+
+def set_event_and_value(rank: int, event: Any, value: Any, lock: Any, barrier: Any) -> None:
+    barrier.wait(timeout=30)
+    with lock:
+        value.value += rank + 1
+    event.set()
+
+
+def shm_write(rank: int, name: str) -> None:
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        shm.buf[rank] = rank + 1
+    finally:
+        shm.close()
+
+
+def pid_and_ppid(rank: int) -> tuple[int, int]:
+    return os.getpid(), os.getppid()
