@@ -52,6 +52,9 @@ class ProcessContext:
         self._waiter: _oscall.Waiter | None = _oscall.Waiter()
         self._pending: dict[int, Process] = {}  # rank -> not yet seen to exit
         self._watched: set[int] = set()  # ranks whose pidfd is in the waiter
+        # Ranks reaped through their Process object (join, is_alive, ...):
+        # the waiter no longer sees them, so join looks here first.
+        self._reaped_elsewhere: list[int] = []
         self._waiter.add(receiver.fileno(), _CHANNEL)
         for proc in processes:
             self._waiter.add(proc.sentinel, proc.rank)
@@ -76,6 +79,7 @@ class ProcessContext:
         if self._waiter is not None and proc.rank in self._watched:
             self._waiter.remove(proc.sentinel)
             self._watched.discard(proc.rank)
+            self._reaped_elsewhere.append(proc.rank)
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for any worker to exit; on a failure, stop the rest and raise.
@@ -103,10 +107,13 @@ class ProcessContext:
         assert self._waiter is not None
         while error_rank is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready = self._waiter.wait(left)
-            except InterruptedError:
-                ready = []  # a handler ran without raising: keep waiting
+            if self._reaped_elsewhere:
+                ready, self._reaped_elsewhere = self._reaped_elsewhere, []
+            else:
+                try:
+                    ready = self._waiter.wait(left)
+                except InterruptedError:
+                    ready = []  # a handler ran without raising: keep waiting
             exited = False
             for token in ready:
                 if token == _CHANNEL:
@@ -150,10 +157,13 @@ class ProcessContext:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            try:
-                ready = self._waiter.wait(left)
-            except InterruptedError:
-                continue
+            if self._reaped_elsewhere:
+                ready, self._reaped_elsewhere = self._reaped_elsewhere, []
+            else:
+                try:
+                    ready = self._waiter.wait(left)
+                except InterruptedError:
+                    continue
             for token in ready:
                 if token == _CHANNEL:
                     self._receiver.drain()

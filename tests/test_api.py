@@ -1,0 +1,241 @@
+"""Arguments, extras (envs, return values, nprocs=-1) and the Process API."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import sys
+import types
+import warnings
+
+import pytest
+
+import fastspawn
+import workers
+
+
+def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
+    return fastspawn.start_processes(fn, args, nprocs=nprocs, start_method=start_method, **kwargs)
+
+
+@pytest.mark.parametrize("nprocs", [0, -2, -100])
+def test_bad_nprocs_value(nprocs):
+    with pytest.raises(ValueError, match=f"nprocs must be a positive number.*got {nprocs}"):
+        start(workers.succeed, nprocs=nprocs)
+
+
+@pytest.mark.parametrize("nprocs", ["2", 2.0, None, True])
+def test_bad_nprocs_type(nprocs):
+    with pytest.raises(TypeError, match="nprocs must be an int"):
+        start(workers.succeed, nprocs=nprocs)
+
+
+def test_nprocs_minus_one_means_usable_cpus():
+    ctx = start(workers.succeed, nprocs=-1, start_method="fork")
+    assert len(ctx.processes) == len(os.sched_getaffinity(0))
+
+
+def test_fn_not_callable():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        start(42)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_fn_not_picklable(start_method):
+    with pytest.raises(pickle.PicklingError, match=r"^fn \(function .*lambda"):
+        start(lambda rank: rank, start_method=start_method)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_arg_not_picklable_names_it(start_method):
+    with pytest.raises(pickle.PicklingError, match=r"^args\[1\] \(generator"):
+        start(workers.sleep_for, (0, (x for x in [])), start_method=start_method)
+
+
+def test_fork_takes_unpicklable_fn():
+    captured = []
+    ctx = start(lambda rank: captured.append(rank) or rank * 3, nprocs=2, start_method="fork")
+    assert ctx.return_values == {0: 0, 1: 3}
+
+
+@pytest.mark.parametrize("args", [5, "ab", {"a": 1}, None])
+def test_args_must_be_tuple_or_list(args):
+    with pytest.raises(TypeError, match="args must be a tuple or list"):
+        start(workers.succeed, args)
+
+
+def test_args_list_accepted():
+    ctx = start(workers.sleep_for, [0.0], nprocs=2, start_method="fork")
+    assert ctx.return_values == {0: None, 1: None}
+
+
+def test_unknown_start_method():
+    with pytest.raises(ValueError, match="unknown start_method 'threads'"):
+        start(workers.succeed, start_method="threads")
+
+
+@pytest.mark.parametrize(
+    "envs, error, match",
+    [
+        ({2: {"A": "1"}}, ValueError, "envs has key 2, which is not a rank"),
+        ({"0": {"A": "1"}}, ValueError, "envs has key '0'"),
+        ({0: {"A": 1}}, TypeError, r"envs\[0\] must map str to str"),
+        ({0: {1: "x"}}, TypeError, r"envs\[0\] must map str to str"),
+        ({0: "A=1"}, TypeError, r"envs\[0\] must be a dict"),
+        ({0: {"A=B": "1"}}, ValueError, "invalid variable name"),
+        ([{"A": "1"}], TypeError, "envs must be a dict"),
+    ],
+)
+def test_bad_envs(envs, error, match):
+    with pytest.raises(error, match=match):
+        start(workers.succeed, nprocs=2, envs=envs)
+
+
+def test_unknown_option_names_it():
+    with pytest.raises(ValueError, match="unknown option 'gpus'"):
+        start(workers.succeed, gpus="0,1")
+
+
+def test_deprecated_option_warns():
+    with pytest.warns(DeprecationWarning, match="'node_ip' is deprecated"):
+        ctx = start(workers.succeed, start_method="fork", node_ip="127.0.0.1")
+    assert ctx.return_values == {0: 0}
+
+
+def test_envs_applied_per_rank(start_method):
+    ctx = start(
+        workers.report_env,
+        (["FS_RANK_VAR", "FS_SHARED"],),
+        nprocs=2,
+        start_method=start_method,
+        envs={0: {"FS_RANK_VAR": "zero"}, 1: {"FS_RANK_VAR": "one", "FS_SHARED": "x"}},
+    )
+    assert ctx.return_values == {
+        0: {"FS_RANK_VAR": "zero", "FS_SHARED": None},
+        1: {"FS_RANK_VAR": "one", "FS_SHARED": "x"},
+    }
+    assert "FS_RANK_VAR" not in os.environ
+
+
+def test_caller_environment_reaches_workers(start_method, monkeypatch):
+    monkeypatch.setenv("FS_CALLER_VAR", "from-caller")
+    ctx = start(workers.report_env, (["FS_CALLER_VAR"],), start_method=start_method)
+    assert ctx.return_values == {0: {"FS_CALLER_VAR": "from-caller"}}
+
+
+def test_join_true_returns_context_with_return_values(start_method):
+    ctx = start(workers.succeed, nprocs=3, start_method=start_method)
+    assert isinstance(ctx, fastspawn.ProcessContext)
+    assert ctx.return_values == {0: 0, 1: 1, 2: 2}
+
+
+def test_large_return_value(start_method):
+    size = 10 * 1024 * 1024
+    ctx = start(workers.big_result, (size,), nprocs=2, start_method=start_method)
+    assert ctx.return_values[0] == b"\0" * size
+    assert ctx.return_values[1] == b"\1" * size
+
+
+def test_large_return_value_join_false(start_method):
+    size = 4 * 1024 * 1024
+    ctx = start(workers.big_result, (size,), nprocs=2, join=False, start_method=start_method)
+    for proc in ctx.processes:  # joining one Process drains the channel too
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert ctx.join() is True
+    assert ctx.return_values[1] == b"\1" * size
+
+
+def test_sys_exit_zero_is_success(start_method):
+    ctx = start(workers.exit_zero, nprocs=2, start_method=start_method)
+    assert ctx.return_values == {0: None, 1: None}
+
+
+def test_keyboard_interrupt_in_child_is_not_success(start_method):
+    with pytest.raises(fastspawn.ProcessExitedException) as info:
+        start(workers.interrupt_self, start_method=start_method)
+    assert str(info.value) == "process 0 terminated with signal SIGINT"
+
+
+def test_unpicklable_return_value_is_logged(caplog):
+    ctx = start(workers.return_unpicklable, nprocs=1, start_method="fork")
+    assert ctx.return_values == {}
+    assert "rank 0 returned a value that cannot be pickled" in caplog.text
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_child_cannot_unpickle_fn(start_method):
+    # A module that exists only in the parent: fn pickles by reference, and
+    # the child fails to import it.
+    module = types.ModuleType("fs_parent_only_module")
+    exec("def work(rank):\n    return rank\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(fastspawn.ProcessRaisedException) as info:
+            start(module.work, nprocs=2, start_method=start_method)
+    finally:
+        del sys.modules[module.__name__]
+    message = str(info.value)
+    assert "Traceback" in message
+    assert "ModuleNotFoundError: No module named 'fs_parent_only_module'" in message
+
+
+def test_spawn_warns_on_other_start_method():
+    with pytest.warns(FutureWarning) as record:
+        fastspawn.spawn(workers.succeed, nprocs=1, start_method="fork")
+    assert str(record[0].message) == (
+        "This method only supports start_method=spawn (got: fork).\n"
+        "To use a different start_method use:\n\t\t fastspawn.start_processes(...)"
+    )
+
+
+def test_spawn_default_is_spawn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctx = fastspawn.spawn(workers.pid_and_ppid, nprocs=2)
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == {os.getpid()}
+
+
+def test_spawn_context_is_deprecated_alias():
+    ctx = start(workers.succeed, nprocs=1, start_method="fork", join=False)
+    with pytest.warns(UserWarning, match="SpawnContext is renamed to ProcessContext since 1.4 release."):
+        alias = fastspawn.SpawnContext(ctx.processes, ctx._receiver)
+    assert isinstance(alias, fastspawn.ProcessContext)
+    assert alias.join(timeout=30)
+    alias._finish()
+    ctx._finish()
+
+
+def test_parallel_start_env_var_accepted(monkeypatch):
+    assert fastspawn.ENV_VAR_PARALLEL_START == "TORCH_MP_PARALLEL_START"
+    monkeypatch.setenv("TORCH_MP_PARALLEL_START", "1")
+    ctx = start(workers.succeed, nprocs=2, start_method="forkserver")
+    assert ctx.return_values == {0: 0, 1: 1}
+
+
+def test_process_api(start_method):
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=True)
+    ctx = start(workers.wait_on_pipe, (writer,), nprocs=1, join=False, start_method=start_method)
+    writer.close()
+    proc = ctx.processes[0]
+    assert reader.poll(60)
+    assert reader.recv() == ("ready", 0, proc.pid)
+    assert proc.is_alive() and proc.exitcode is None
+    assert isinstance(proc.sentinel, int)
+    assert f"pid={proc.pid}" in repr(proc)
+    proc.join(timeout=0.05)
+    assert proc.is_alive()
+    proc.kill()
+    proc.join(timeout=30)
+    assert not proc.is_alive()
+    assert proc.exitcode == -9
+    proc.terminate()  # after exit: a no-op, never a signal to a recycled pid
+    with pytest.raises(fastspawn.ProcessExitedException, match="signal SIGKILL"):
+        ctx.join()
+    reader.close()
+
+
+def test_daemon_flag_reaches_worker(start_method):
+    ctx = start(workers.succeed, nprocs=1, daemon=True, start_method=start_method)
+    assert ctx.return_values == {0: 0}
