@@ -1,5 +1,6 @@
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdlib.h>
 #include <sys/epoll.h>
 
 #include "fastspawn.h"
@@ -37,32 +38,32 @@ int fs_waiter_remove(int epfd, int fd)
 }
 
 /* Wait up to `timeout_ms` (-1: forever) for watched fds to become ready and
- * store up to `max_tokens` of their tokens, all that are ready at once, not
- * just the first.  Returns the count (0 on timeout).  EINTR is returned, not
- * retried, so Python signal handlers run (epoll_wait(2)).
+ * store up to `max_tokens` of their tokens: all that are ready, in one
+ * epoll_wait (a second call would report the same level-triggered fds again).
+ * Returns the count (0 on timeout).  EINTR is returned, not retried, so
+ * Python signal handlers run (epoll_wait(2)).
  */
 int fs_waiter_wait(int epfd, uint64_t *tokens, int max_tokens, int timeout_ms)
 {
-    struct epoll_event events[64];
-    int total = 0;
+    struct epoll_event small[64];
+    struct epoll_event *events = small;
+    int n, i, saved;
 
-    while (total < max_tokens) {
-        int want = max_tokens - total;
-        int n, i;
-
-        if (want > 64)
-            want = 64;
-        n = epoll_wait(epfd, events, want, total == 0 ? timeout_ms : 0);
-        if (n < 0) {
-            if (total > 0)
-                break;  /* report what we have; the next call sees EINTR */
-            return -1;
-        }
-        for (i = 0; i < n; i++)
-            tokens[total + i] = events[i].data.u64;
-        total += n;
-        if (n < want)
-            break;
+    if (max_tokens <= 0) {
+        errno = EINVAL;
+        return -1;
     }
-    return total;
+    if (max_tokens > 64) {
+        events = malloc(sizeof(*events) * (size_t)max_tokens);
+        if (events == NULL)
+            return -1;
+    }
+    n = epoll_wait(epfd, events, max_tokens, timeout_ms);
+    saved = errno;
+    for (i = 0; i < n; i++)
+        tokens[i] = events[i].data.u64;
+    if (events != small)
+        free(events);
+    errno = saved;
+    return n;
 }

@@ -8,9 +8,6 @@ from typing import Any, NoReturn
 
 from fastspawn._core import ffi, lib
 
-# Tests patch this off to exercise the paths taken on kernels without pidfds.
-HAVE_PIDFD = True
-
 
 def _raise_errno(call: str) -> NoReturn:
     """Turn the errno of a failed C call into the matching OSError subclass."""

@@ -1,0 +1,209 @@
+"""The C core through fastspawn._oscall: errno-honest, EINTR visible."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from fastspawn import _oscall
+
+
+def test_waiter_returns_every_ready_entry_at_once():
+    waiter = _oscall.Waiter()
+    pipes = [os.pipe() for _ in range(200)]
+    try:
+        for token, (r, _w) in enumerate(pipes):
+            waiter.add(r, token)
+        assert waiter.wait(0) == []
+        for token in range(0, 200, 2):
+            os.write(pipes[token][1], b"x")
+        assert sorted(waiter.wait(1.0)) == list(range(0, 200, 2))
+        for token in range(0, 200, 2):
+            waiter.remove(pipes[token][0])
+        assert len(waiter) == 100
+        assert waiter.wait(0) == []
+        with pytest.raises(FileExistsError, match=r"from epoll_ctl\(EPOLL_CTL_ADD\)"):
+            waiter.add(pipes[1][0], 1)
+        with pytest.raises(FileNotFoundError):
+            waiter.remove(pipes[0][0])
+    finally:
+        waiter.close()
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+
+
+def test_waiter_wait_returns_eintr():
+    waiter = _oscall.Waiter()
+    r, w = os.pipe()
+    waiter.add(r, 7)
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(InterruptedError, match="from epoll_wait"):
+            waiter.wait(10)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        waiter.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_pidfd_wait_and_signal():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    pidfd = _oscall.pidfd_open(pid)
+    try:
+        assert _oscall.pidfd_wait(pidfd, nohang=True) is None
+        _oscall.pidfd_send_signal(pidfd, signal.SIGTERM)
+        assert _oscall.pidfd_wait(pidfd, nohang=False) == -signal.SIGTERM
+        with pytest.raises(ProcessLookupError, match="from pidfd_send_signal"):
+            _oscall.pidfd_send_signal(pidfd, signal.SIGTERM)  # reaped: never a reused pid
+        with pytest.raises(ChildProcessError):
+            _oscall.pidfd_wait(pidfd, nohang=False)
+    finally:
+        os.close(pidfd)
+
+
+def test_pidfd_wait_exit_code():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(138)
+    pidfd = _oscall.pidfd_open(pid)
+    try:
+        assert _oscall.pidfd_wait(pidfd, nohang=False) == 138
+    finally:
+        os.close(pidfd)
+
+
+def test_pidfd_wait_not_our_child_is_echild():
+    pidfd = _oscall.pidfd_open(os.getppid())
+    try:
+        with pytest.raises(ChildProcessError) as info:
+            _oscall.pidfd_wait(pidfd, nohang=True)
+        assert info.value.errno == errno.ECHILD
+    finally:
+        os.close(pidfd)
+
+
+def test_pidfd_open_missing_pid():
+    with pytest.raises(ProcessLookupError, match="from pidfd_open"):
+        _oscall.pidfd_open(2**22 + 12345)  # above any pid_max
+
+
+def test_launch_missing_binary():
+    with pytest.raises(FileNotFoundError) as info:
+        _oscall.launch("/nonexistent/fastspawn-binary", ["x"], {})
+    assert info.value.filename == "/nonexistent/fastspawn-binary"
+    assert "/nonexistent/fastspawn-binary" in str(info.value)
+
+
+def test_launch_not_executable():
+    with tempfile.NamedTemporaryFile(suffix=".sh") as script:
+        os.chmod(script.name, stat.S_IRUSR | stat.S_IWUSR)
+        with pytest.raises(PermissionError) as info:
+            _oscall.launch(script.name, [script.name], {})
+        assert info.value.filename == script.name
+
+
+def test_launch_bad_cwd():
+    with pytest.raises(FileNotFoundError):
+        _oscall.launch("/bin/true", ["true"], {}, cwd="/nonexistent/dir")
+
+
+def test_launch_redirects_env_cwd_and_closes_fds():
+    out_r, out_w = os.pipe()
+    keep_r, keep_w = os.pipe()
+    stray_r, stray_w = os.pipe()
+    os.set_inheritable(stray_w, True)  # inheritable, yet must not leak into the child
+    try:
+        script = (
+            'echo "$FS_VAR $(pwd)"; '
+            f'ls /proc/self/fd | sort -n | tr "\\n" " "; echo; '
+            f'echo kept > /proc/self/fd/{keep_w}'
+        )
+        pid, pidfd = _oscall.launch(
+            "/bin/sh", ["sh", "-c", script], {"FS_VAR": "hello", "PATH": os.defpath},
+            cwd="/", stdout=out_w, keep_fds=[keep_w],
+        )
+        os.close(out_w)
+        out_w = -1
+        try:
+            assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
+        finally:
+            os.close(pidfd)
+        output = b""
+        while chunk := os.read(out_r, 4096):
+            output += chunk
+        first, fds = output.decode().splitlines()[:2]
+        assert first == "hello /"
+        open_fds = {int(fd) for fd in fds.split()}
+        assert keep_w in open_fds
+        assert stray_w not in open_fds
+        assert os.read(keep_r, 100) == b"kept\n"
+    finally:
+        for fd in (out_r, keep_r, keep_w, stray_r, stray_w, out_w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_launch_new_session():
+    pid, pidfd = _oscall.launch("/bin/sleep", ["sleep", "30"], {}, new_session=True)
+    try:
+        assert os.getsid(pid) == pid
+        assert os.getpgid(pid) == pid
+    finally:
+        _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
+        assert _oscall.pidfd_wait(pidfd, nohang=False) == -signal.SIGKILL
+        os.close(pidfd)
+
+
+def test_launched_binary_dies_with_its_parent():
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                """
+                import signal, time
+                from fastspawn import _oscall
+                pid, _ = _oscall.launch("/bin/sleep", ["sleep", "600"], {},
+                                        pdeathsig=signal.SIGKILL)
+                print(pid, flush=True)
+                time.sleep(600)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        pid = int(driver.stdout.readline())
+        assert psutil.Process(pid).name() == "sleep"
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+        driver.stdout.close()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        assert time.monotonic() < deadline, "the launched binary outlived its parent"
+        time.sleep(0.05)

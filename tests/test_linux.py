@@ -1,0 +1,298 @@
+"""Linux edge cases, each in its own test: parent death (before prctl too),
+launching threads that exit, EINTR, Ctrl-C, fd-carrying arguments."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
+
+import psutil
+import pytest
+
+import fastspawn
+import workers
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SPAWN_CTX = multiprocessing.get_context("spawn")
+
+
+def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
+    return fastspawn.start_processes(fn, args, nprocs=nprocs, start_method=start_method, **kwargs)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def run_driver(code: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_sigkill_of_parent_kills_every_worker(start_method):
+    driver = run_driver(
+        """
+        import sys, time, fastspawn, workers
+        ctx = fastspawn.start_processes(
+            workers.sleep_forever, nprocs=8, join=False, start_method=sys.argv[1])
+        print(" ".join(map(str, ctx.pids())), flush=True)
+        time.sleep(600)
+        """,
+        start_method,
+    )
+    try:
+        assert driver.stdout is not None
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 8
+        assert not any(gone(pid) for pid in pids)
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+        driver.stdout.close()
+    time.sleep(1.0)
+    alive = [pid for pid in pids if not gone(pid)]
+    assert alive == [], f"workers alive 1 s after SIGKILL of their parent: {alive}"
+
+
+def test_parent_dead_before_prctl_is_detected():
+    """The worker's prctl runs after its parent died: the re-check catches it."""
+    reader, writer = os.pipe()
+    try:
+        driver = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(
+                    """
+                    import os, sys
+                    from fastspawn import _oscall
+                    out = int(sys.argv[1])
+                    go_r, go_w = os.pipe()
+                    parent = os.getpid()
+                    if os.fork() == 0:
+                        os.close(go_w)
+                        os.read(go_r, 1)          # EOF: the parent is gone
+                        try:
+                            _oscall.set_pdeathsig(9, parent)
+                        except ProcessLookupError:
+                            os.write(out, b"detected")
+                            os._exit(0)
+                        os.write(out, b"missed")
+                        os._exit(1)
+                    os._exit(0)                   # die before the child's prctl
+                    """
+                ),
+                str(writer),
+            ],
+            pass_fds=[writer],
+        )
+        driver.wait(timeout=30)
+        os.close(writer)
+        writer = -1
+        chunks = []
+        while chunk := os.read(reader, 64):  # EOF once the grandchild exited
+            chunks.append(chunk)
+        assert b"".join(chunks) == b"detected"
+    finally:
+        os.close(reader)
+        if writer >= 0:
+            os.close(writer)
+
+
+def test_pdeathsig_with_live_parent_is_armed():
+    from fastspawn import _oscall
+
+    # From a child of ours, with the right parent: no error.
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _oscall.set_pdeathsig(signal.SIGKILL, os.getppid())
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_workers_survive_launching_thread_exit(start_method):
+    box = {}
+
+    def launch() -> None:
+        box["ctx"] = start(workers.sleep_for, (3.0,), nprocs=2, join=False,
+                           start_method=start_method)
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    ctx = box["ctx"]
+    time.sleep(1.0)
+    assert all(p.is_alive() for p in ctx.processes), "workers died with their thread"
+    deadline = time.monotonic() + 60
+    while not ctx.join(timeout=5):
+        assert time.monotonic() < deadline
+    assert [p.exitcode for p in ctx.processes] == [0, 0]
+
+
+def test_checkpoint_client_pattern():
+    """A daemon helper spawned from a pool thread, driven over a Pipe
+    (torch's checkpoint_process.py), then killed."""
+    parent_end, child_end = SPAWN_CTX.Pipe()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ctx = pool.submit(
+            fastspawn.spawn, workers.echo_pipe, (child_end,), 1, False, True
+        ).result()
+    child_end.close()
+    parent_end.send("ping")
+    assert parent_end.poll(60)
+    assert parent_end.recv() == "pingping"
+    ctx.processes[0].join(timeout=30)
+    assert ctx.processes[0].exitcode == 0
+    assert ctx.join() is True
+    parent_end.close()
+
+
+class Alarm(Exception):
+    pass
+
+
+def test_eintr_during_join_runs_raising_handler(start_method):
+    ctx = start(workers.sleep_forever, nprocs=2, join=False, start_method=start_method)
+
+    def handler(signum, frame):
+        raise Alarm
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        began = time.monotonic()
+        with pytest.raises(Alarm):
+            ctx.join()
+        assert time.monotonic() - began < 10
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for proc in ctx.processes:
+            proc.kill()
+    with pytest.raises(fastspawn.ProcessExitedException, match="SIGKILL"):
+        while not ctx.join():
+            pass
+
+
+def test_eintr_during_join_with_quiet_handler_keeps_waiting(start_method):
+    ctx = start(workers.sleep_for, (1.0,), nprocs=2, join=False, start_method=start_method)
+    calls = []
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: calls.append(signum))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        deadline = time.monotonic() + 60
+        while not ctx.join(timeout=5):
+            assert time.monotonic() < deadline
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert calls == [signal.SIGALRM]
+    assert [p.exitcode for p in ctx.processes] == [0, 0]
+
+
+def test_ctrl_c_during_blocking_start_leaves_nothing(start_method):
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start(workers.sleep_forever, nprocs=3, start_method=start_method)
+    finally:
+        timer.cancel()
+    # the leak fixture checks that no worker and no fd is left
+
+
+def test_no_temp_files_left(start_method):
+    tmp = tempfile.gettempdir()
+    before = set(os.listdir(tmp))
+    with pytest.raises(fastspawn.ProcessRaisedException):
+        start(workers.raise_on, (0, 0.0), nprocs=2, start_method=start_method)
+    start(workers.succeed, nprocs=2, start_method=start_method)
+    new = {name for name in set(os.listdir(tmp)) - before if "fastspawn" in name or
+           "pytorch" in name}
+    assert new == set()
+
+
+# ------------------------------------------------------- fd-carrying arguments
+
+
+def test_pipe_argument(start_method):
+    parent_end, child_end = SPAWN_CTX.Pipe()
+    ctx = start(workers.echo_pipe, (child_end,), join=False, start_method=start_method)
+    child_end.close()
+    parent_end.send(21)
+    assert parent_end.poll(60)
+    assert parent_end.recv() == 42
+    assert ctx.join(timeout=60)
+    parent_end.close()
+
+
+def test_queue_arguments(start_method):
+    inbox, outbox = SPAWN_CTX.Queue(), SPAWN_CTX.Queue()
+    try:
+        ctx = start(workers.queue_roundtrip, (inbox, outbox), nprocs=2, join=False,
+                    start_method=start_method)
+        inbox.put("a")
+        inbox.put("b")
+        got = [outbox.get(timeout=60), outbox.get(timeout=60)]
+        assert sorted(item for _rank, item in got) == ["a", "b"]
+        assert {rank for rank, _item in got} == {0, 1}
+        deadline = time.monotonic() + 60
+        while not ctx.join(timeout=5):
+            assert time.monotonic() < deadline
+    finally:
+        for q in (inbox, outbox):
+            q.close()
+            q.join_thread()
+
+
+@pytest.fixture(scope="module")
+def sync_objects():
+    # Module scope: Value and Barrier live in multiprocessing's shared heap,
+    # whose arena fds stay open for the life of the process by design.  They
+    # are made before the leak fixture takes its baseline.
+    return SPAWN_CTX.Event(), SPAWN_CTX.Value("i", 0), SPAWN_CTX.Lock(), SPAWN_CTX.Barrier(3)
+
+
+def test_sync_primitive_arguments(start_method, sync_objects):
+    event, value, lock, barrier = sync_objects
+    event.clear()
+    value.value = 0
+    ctx = start(workers.set_event_and_value, (event, value, lock, barrier), nprocs=3,
+                join=False, start_method=start_method)
+    deadline = time.monotonic() + 60
+    while not ctx.join(timeout=5):
+        assert time.monotonic() < deadline
+    assert event.is_set()
+    assert value.value == 1 + 2 + 3
+
+
+def test_shared_memory_argument(start_method):
+    shm = shared_memory.SharedMemory(create=True, size=8)
+    try:
+        start(workers.shm_write, (shm.name,), nprocs=4, start_method=start_method)
+        assert bytes(shm.buf[:4]) == b"\1\2\3\4"
+    finally:
+        shm.close()
+        shm.unlink()
