@@ -3,6 +3,7 @@ pickle them by reference."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import signal
@@ -34,6 +35,7 @@ def raise_after_random_sleep(rank: int) -> None:
 
 def abort_rank0(rank: int) -> None:
     if rank == 0:
+        faulthandler.disable()  # pytest's, inherited by fork: keep the log quiet
         os.kill(os.getpid(), signal.SIGABRT)
     time.sleep(1)
 
