@@ -8,6 +8,7 @@ ffibuilder.cdef(
     typedef int... pid_t;
 
     int fs_set_pdeathsig(int sig, pid_t expected_ppid);
+    int fs_set_child_subreaper(void);
 
     int fs_pidfd_open(pid_t pid, unsigned int flags);
     int fs_pidfd_send_signal(int pidfd, int sig);
@@ -30,6 +31,7 @@ ffibuilder.cdef(
         int n_keep_fds;
         int pdeathsig;
         int new_session;
+        int new_process_group;
     };
     int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
     """

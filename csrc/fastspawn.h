@@ -12,6 +12,7 @@
 
 /* pdeathsig.c */
 int fs_set_pdeathsig(int sig, pid_t expected_ppid);
+int fs_set_child_subreaper(void);
 
 /* pidfd.c */
 int fs_pidfd_open(pid_t pid, unsigned int flags);
@@ -37,6 +38,7 @@ struct fs_launch_spec {
     int n_keep_fds;
     int pdeathsig;             /* 0: none */
     int new_session;           /* non-zero: setsid() in the child */
+    int new_process_group;     /* non-zero: setpgid(0, 0) in the child */
 };
 int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
 

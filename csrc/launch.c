@@ -102,6 +102,8 @@ static int child_main(void *opaque)
         child_fail(args);
     if (s->new_session && setsid() < 0)
         child_fail(args);
+    if (!s->new_session && s->new_process_group && setpgid(0, 0) != 0)
+        child_fail(args);
 
     std_fds[0] = s->stdin_fd;
     std_fds[1] = s->stdout_fd;
@@ -150,7 +152,7 @@ static int child_main(void *opaque)
  * the parent sleeps until the child has exec'd or failed.  CLONE_PIDFD hands
  * back a pidfd atomically.  In the child, before exec: signal handlers reset,
  * PR_SET_PDEATHSIG armed and the parent re-checked (fs_set_pdeathsig), an
- * optional setsid(), stdio redirected, every fd but 0..2 and keep_fds closed
+ * optional setsid() or setpgid(), stdio redirected, every fd but 0..2 and keep_fds closed
  * on exec, cwd changed.  A failure in any of those steps, the exec included,
  * comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
  * child already reaped.

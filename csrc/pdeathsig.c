@@ -29,3 +29,12 @@ int fs_set_pdeathsig(int sig, pid_t expected_ppid)
     }
     return 0;
 }
+
+/* Make the calling process a child subreaper (PR_SET_CHILD_SUBREAPER(2const)):
+ * orphaned descendants are reparented to it instead of to init, so it can
+ * find and kill what its children left running.  Not inherited by fork.
+ */
+int fs_set_child_subreaper(void)
+{
+    return prctl(PR_SET_CHILD_SUBREAPER, 1UL, 0UL, 0UL, 0UL);
+}

@@ -17,6 +17,7 @@ from fastspawn._errors import (
     ProcessExitedException,
     ProcessRaisedException,
 )
+from fastspawn._launch import preload, stop_server as stop_zygote
 from fastspawn._process import Process
 
 __version__ = "0.1.0"
@@ -24,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ENV_VAR_PARALLEL_START",
     "Process",
+    "preload",
+    "stop_zygote",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",

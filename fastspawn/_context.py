@@ -26,7 +26,7 @@ from fastspawn._process import Process
 log = logging.getLogger(__name__)
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
-DEFAULT_START_METHOD = "spawn"
+DEFAULT_START_METHOD = _launch.DEFAULT_START_METHOD
 
 # paddle.distributed.spawn options that it deprecated: accepted with a warning.
 _DEPRECATED_OPTIONS = ("selected_devices", "started_port", "cluster_node_ips", "node_ip", "use_paddlecloud")
@@ -320,6 +320,21 @@ def _check_envs(envs: Any, nprocs: int) -> dict[int, dict[str, str]]:
     return checked
 
 
+def _check_preload(preload: Any, start_method: str) -> list[str]:
+    if preload is None:
+        return []
+    if isinstance(preload, str) or not isinstance(preload, (list, tuple)):
+        raise TypeError(f"preload must be a list of module names, got {type(preload).__name__}")
+    for name in preload:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"preload must be a list of module names; {name!r} is not one")
+    if start_method not in ("zygote", "forkserver"):
+        raise ValueError(
+            f"preload applies to start_method 'zygote' or 'forkserver', not {start_method!r}"
+        )
+    return list(preload)
+
+
 def _check_options(options: Mapping[str, Any]) -> None:
     for key in options:
         if key in _DEPRECATED_OPTIONS:
@@ -331,7 +346,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
         else:
             raise ValueError(
                 f"unknown option {key!r} for fastspawn.start_processes; known keyword "
-                "options are envs, and (deprecated, ignored) " + ", ".join(_DEPRECATED_OPTIONS)
+                "options are envs, preload, and (deprecated, ignored) "
+                + ", ".join(_DEPRECATED_OPTIONS)
             )
 
 
@@ -347,6 +363,7 @@ def start_processes(
     start_method: str = DEFAULT_START_METHOD,
     *,
     envs: Mapping[int, Mapping[str, str]] | None = None,
+    preload: Sequence[str] | None = None,
     **options: Any,
 ) -> ProcessContext:
     """Run ``fn(i, *args)`` in ``nprocs`` processes, ``i`` being the rank.
@@ -359,8 +376,12 @@ def start_processes(
         join: block until all succeed or one fails (then raise).
         daemon: mark the workers daemonic: at interpreter exit they are
             terminated rather than waited for.
-        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        start_method: ``"zygote"`` (default: spawn-safe workers forked from
+            a clean fastspawn process), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"`` (served by the zygote).
         envs: ``{rank: {VAR: value}}`` set in that rank before ``fn`` runs.
+        preload: modules the zygote imports before forking this launch
+            (zygote and forkserver only; see also :func:`fastspawn.preload`).
 
     Returns:
         The :class:`ProcessContext` (joined when ``join`` is True; torch
@@ -385,6 +406,7 @@ def start_processes(
             + ", ".join(repr(m) for m in _launch.START_METHODS)
         )
     checked_envs = _check_envs(envs, nprocs)
+    preload_list = _check_preload(preload, start_method)
     if start_method in _launch.SPAWN_LIKE:
         problem = describe_unpicklable(fn, args, start_method)
         if problem is not None:
@@ -399,6 +421,7 @@ def start_processes(
         daemon=bool(daemon),
         start_method=start_method,
         envs=checked_envs,
+        preload=preload_list,
     )
     rx_sock, tx = channel_pair()
     receiver = Receiver(rx_sock)
@@ -439,19 +462,21 @@ def spawn(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = "spawn",
+    start_method: str = DEFAULT_START_METHOD,
     **kwargs: Any,
 ) -> ProcessContext:
-    """Like :func:`start_processes`, always with the spawn start method.
+    """Like :func:`start_processes`, always with a spawn-safe start method.
 
-    A different ``start_method`` warns (FutureWarning) and is ignored, as in
-    torch.
+    ``"zygote"`` (the default) and ``"spawn"`` are taken as they are; any
+    other ``start_method`` warns (FutureWarning, as torch does) and the zygote
+    is used.
     """
-    if start_method != "spawn":
+    if start_method not in ("zygote", "spawn"):
         msg = (
             f"This method only supports start_method=spawn (got: {start_method}).\n"
             "To use a different start_method use:\n\t\t"
             " fastspawn.start_processes(...)"
         )
         warnings.warn(msg, FutureWarning, stacklevel=2)
-    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn", **kwargs)
+        start_method = DEFAULT_START_METHOD
+    return start_processes(fn, args, nprocs, join, daemon, start_method=start_method, **kwargs)

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,9 +27,11 @@ from fastspawn._channel import Receiver
 from fastspawn._server import ServerClient
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
-START_METHODS = ("spawn", "fork", "forkserver")
-SPAWN_LIKE = ("spawn", "forkserver")
+START_METHODS = ("zygote", "spawn", "fork", "forkserver")
+SPAWN_LIKE = ("zygote", "spawn", "forkserver")
+DEFAULT_START_METHOD = "zygote"
 
 _SPAWN_ENTRY = "from fastspawn._worker import spawn_main; spawn_main()"
 
@@ -41,6 +44,7 @@ class LaunchRequest:
     daemon: bool
     start_method: str
     envs: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    preload: Sequence[str] = ()
 
 
 Started = list[tuple[int, int, bool]]
@@ -203,23 +207,38 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
 
 _server: ServerClient | None = None
 _server_lock = threading.Lock()
-_preload: list[str] = []
+
+
+def env_preload() -> list[str]:
+    """Modules named by FASTSPAWN_PRELOAD (comma- or space-separated)."""
+    raw = os.environ.get("FASTSPAWN_PRELOAD", "")
+    return [name for name in raw.replace(",", " ").split() if name]
 
 
 def get_server() -> ServerClient:
-    """The caller's fork server, started on first use or after it died."""
+    """The caller's zygote, started on first use or after it died."""
     global _server
     with _server_lock:
         if _server is not None and not _server.alive():
+            log.warning("fastspawn: the zygote (pid %d) died; starting a new one", _server.pid)
             _server.close()
             _server = None
         if _server is None:
-            _server = ServerClient(_preload)
+            _server = ServerClient(env_preload())
         return _server
 
 
+def preload(modules: Sequence[str]) -> None:
+    """Start the zygote now, and import ``modules`` in it in the background."""
+    names = list(modules)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"preload takes module names (str), got {name!r}")
+    get_server().send({"op": "preload", "modules": names})
+
+
 def stop_server() -> None:
-    """Stop the fork server, if one runs; the next launch starts a new one."""
+    """Stop the zygote, if one runs; the next launch starts a new one."""
     global _server
     with _server_lock:
         if _server is not None:
@@ -227,7 +246,7 @@ def stop_server() -> None:
             _server = None
 
 
-def _launch_forkserver(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     collector = _pickling.FdCollector()
     payload_fd = _payload_memfd(_pickling.dumps([(req.fn, req.args)], collector))
     tracker = _tracker_fd()
@@ -235,6 +254,9 @@ def _launch_forkserver(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> S
     if tracker is not None:
         tracker_index = collector.duplicate_for_child(tracker)
     header = {
+        "op": "launch",
+        "preload": list(req.preload),
+        "sys_path": list(sys.path),
         "nprocs": req.nprocs,
         "daemon": req.daemon,
         "env": dict(os.environ),
@@ -243,8 +265,7 @@ def _launch_forkserver(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> S
         "tracker_index": tracker_index,
     }
     try:
-        server = get_server()
-        server.request(header, [tx.fileno(), payload_fd, *collector.fds])
+        get_server().send(header, [tx.fileno(), payload_fd, *collector.fds])
     finally:
         os.close(payload_fd)
     reports = rx.reports
@@ -254,23 +275,24 @@ def _launch_forkserver(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> S
     started: Started = [reports.pids[rank] + (False,) for rank in sorted(reports.pids)]
     if reports.launch_failed is not None or len(started) < req.nprocs:
         _kill_started(started)
-        why = reports.launch_failed or "the fork server died during the launch"
-        raise RuntimeError(f"fastspawn: the fork server could not start the workers:\n{why}")
+        why = reports.launch_failed or "the zygote died during the launch"
+        raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
     return started
 
 
 _METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]] = {
     "fork": _launch_fork,
     "spawn": _launch_spawn,
-    "forkserver": _launch_forkserver,
+    "forkserver": _launch_zygote,  # our forkserver is the zygote
+    "zygote": _launch_zygote,
 }
 
 
 def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     """Start every rank of ``req``; on failure nothing is left running."""
     method = _METHODS[req.start_method]
-    if req.start_method == "forkserver":
-        return method(req, tx, rx)  # the server does the forking
+    if req.start_method in ("zygote", "forkserver"):
+        return method(req, tx, rx)  # the zygote does the forking
     return on_launcher_thread(method, req, tx, rx)
 
 
@@ -284,5 +306,3 @@ def helper_processes() -> tuple[set[int], set[int]]:
     return {server.pid}, fds
 
 
-def configure_preload(modules: Sequence[str]) -> None:
-    _preload[:] = list(modules)

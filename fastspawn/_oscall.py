@@ -27,6 +27,12 @@ def set_pdeathsig(sig: int, expected_ppid: int) -> None:
         _raise_errno("fs_set_pdeathsig")
 
 
+def set_child_subreaper() -> None:
+    """Adopt orphaned descendants (PR_SET_CHILD_SUBREAPER)."""
+    if lib.fs_set_child_subreaper() != 0:
+        _raise_errno("prctl(PR_SET_CHILD_SUBREAPER)")
+
+
 def pidfd_open(pid: int) -> int:
     """Return a close-on-exec pidfd for ``pid``."""
     fd = lib.fs_pidfd_open(pid, 0)
@@ -140,6 +146,7 @@ def launch(
     keep_fds: Sequence[int] = (),
     pdeathsig: int = 0,
     new_session: bool = False,
+    new_process_group: bool = False,
 ) -> tuple[int, int]:
     """Start a binary without copying the caller's memory (clone + exec).
 
@@ -170,6 +177,7 @@ def launch(
             "n_keep_fds": len(keep_fds),
             "pdeathsig": pdeathsig,
             "new_session": 1 if new_session else 0,
+            "new_process_group": 1 if new_process_group else 0,
         },
     )
     pidfd = ffi.new("int *")

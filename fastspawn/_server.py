@@ -1,17 +1,26 @@
-"""The fork server: a fresh interpreter that forks workers on request.
+"""The zygote: a fresh interpreter that forks workers on request.
 
 The caller starts it once (a clean exec, so it inherits none of the caller's
-threads, locks or CUDA state) and sends it one message per launch, whatever
-the number of ranks: the payload (fn and args, pickled once) travels as a
-memfd, the launch's report channel and any fds the arguments carry as
-SCM_RIGHTS.  The server unpickles once and forks every rank from that state.
+threads, locks or CUDA state; it prepares like a spawn child: the caller's
+sys.path and cwd, ``__main__`` imported as ``__mp_main__``, plus preloaded
+modules) and sends it one message per launch, whatever the number of ranks:
+the payload (fn and args, pickled once) travels as a memfd, the launch's
+report channel and any fds the arguments carry as SCM_RIGHTS.  The zygote
+unpickles once and forks every rank from that state.  Start methods "zygote"
+and "forkserver" are both served by it.
 
-Chain of custody, so that nothing outlives the caller:
-- the server has PR_SET_PDEATHSIG(SIGKILL) against the caller (armed before
-  exec) and also watches its control socket: EOF means the caller is gone,
-  and it kills every worker before exiting;
+Orphan safety, as a chain with no gaps:
+- the zygote watches the caller *process* with a pidfd (and its control
+  socket's EOF); PR_SET_PDEATHSIG(SIGTERM), armed before exec, backs that up.
+  When the caller is gone it kills every worker and every descendant, then
+  exits;
 - each worker has PR_SET_PDEATHSIG(SIGKILL) against the single-threaded
-  server, re-checked after prctl.
+  zygote, re-checked after prctl;
+- the zygote is a child subreaper: a worker's orphaned children are
+  reparented to it, and it kills them;
+- the zygote leads its own process group, which workers and their children
+  share: if the zygote itself is killed, the caller (whose unreaped child it
+  is, so the group id cannot be recycled) kills that group.
 
 The control channel is an inherited socketpair: there is no name to connect
 to.  Exit statuses go back on each launch's channel, sent without blocking
@@ -42,16 +51,17 @@ _ENTRY = "from fastspawn._server import main; main()"
 _MAX_HEADER = 1 << 20
 
 
-# ---------------------------------------------------------------- server side
+# ---------------------------------------------------------------- zygote side
 
 
 class _Launch:
-    """One launch inside the server: its channel and unsent reports."""
+    """One launch inside the zygote: its channel and unsent reports."""
 
     def __init__(self, tx: socket.socket, nprocs: int) -> None:
         self.tx = tx
         self.live = nprocs
         self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
+        self.exits: list[int] = []  # (rank, status) pairs not yet queued
         self.watching_out = False
 
     def queue(self, rank: int, kind: int, body: bytes, fds: Sequence[int] = ()) -> None:
@@ -60,6 +70,12 @@ class _Launch:
 
     def flush(self) -> bool:
         """Send what the channel takes now; True when all is sent."""
+        if self.exits:
+            # One message for every exit seen in this round.
+            for start in range(0, len(self.exits), 4096):
+                body = _channel.pack_statuses(self.exits[start : start + 4096])
+                self.queue(-1, _channel.EXIT, body)
+            self.exits = []
         while self.outbox:
             data, fds = self.outbox[0]
             try:
@@ -83,47 +99,79 @@ class _Launch:
 
     @property
     def done(self) -> bool:
-        return self.live == 0 and not self.outbox
+        return self.live == 0 and not self.outbox and not self.exits
 
 
-class _Server:
-    def __init__(self, control: socket.socket) -> None:
+def _children_of(pid: int) -> set[int]:
+    """The direct children of ``pid`` (/proc/PID/task/TID/children)."""
+    children: set[int] = set()
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children.update(int(c) for c in f.read().split())
+        return children
+    except FileNotFoundError:
+        pass  # kernel without CONFIG_PROC_CHILDREN: scan every process
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.add(int(name))
+    return children
+
+
+class _Zygote:
+    def __init__(self, control: socket.socket, parent: int) -> None:
         self.control = control
-        self.parent = os.getppid()
         self.me = os.getpid()
+        self.parent_fd = _oscall.pidfd_open(parent)
+        if os.getppid() != parent:
+            raise SystemExit(0)  # the caller died before we could watch it
+        _oscall.set_child_subreaper()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         self.epoll = select.epoll()
-        self.epoll.register(control.fileno(), select.EPOLLIN)
-        self.workers: dict[int, tuple[_Launch, int, int]] = {}  # pidfd -> (launch, rank, pid)
+        for fd in (control.fileno(), self.parent_fd, self.wake_r):
+            self.epoll.register(fd, select.EPOLLIN)
+        self.workers: dict[int, tuple[_Launch, int]] = {}  # pid -> (launch, rank)
         self.channels: dict[int, _Launch] = {}  # tx fd -> launch
 
     def own_fds(self) -> list[int]:
-        return [self.control.fileno(), self.epoll.fileno(), *self.workers, *self.channels]
+        fixed = [self.control.fileno(), self.epoll.fileno(), self.parent_fd, self.wake_r, self.wake_w]
+        return fixed + list(self.channels)
 
     def serve(self) -> None:
         while True:
-            try:
-                events = self.epoll.poll()
-            except InterruptedError:
-                continue
-            for fd, mask in events:
+            for fd, _mask in self.epoll.poll():
                 if fd == self.control.fileno():
                     if not self.on_control():
                         return
-                elif fd in self.workers:
-                    self.on_exit(fd)
+                elif fd == self.parent_fd:
+                    return
+                elif fd == self.wake_r:
+                    self.on_sigchld()
                 elif fd in self.channels:
                     self.on_writable(self.channels[fd])
 
     def on_control(self) -> bool:
         try:
             data, fds, _flags, _addr = socket.recv_fds(self.control, _MAX_HEADER, 256)
-        except (ConnectionResetError, OSError):
+        except OSError:
             data, fds = b"", []
         if not data:
             for fd in fds:
                 os.close(fd)
             return False
-        self.launch(pickle.loads(data), fds)
+        message = pickle.loads(data)
+        if message["op"] == "preload":
+            _import_all(message["modules"])
+        else:
+            self.launch(message, fds)
         return True
 
     def launch(self, header: Mapping[str, Any], fds: list[int]) -> None:
@@ -136,12 +184,14 @@ class _Server:
         args: Any = ()
         payload_error = None
         try:
-            # Take on the caller's current environment and cwd before
-            # unpickling: imports run here, and must see what a spawned
-            # interpreter would.  The workers inherit both.
+            # Take on the caller's current environment, cwd and sys.path
+            # before unpickling: imports run here and must see what a spawned
+            # interpreter would.  The workers inherit all three.
             os.environ.clear()
             os.environ.update(header["env"])
             os.chdir(header["cwd"])
+            sys.path[:] = header["sys_path"]
+            _import_all(header["preload"], strict=True)
             _pickling.inherited_fds[:] = user_fds
             if header["tracker_index"] is not None:
                 from multiprocessing import resource_tracker
@@ -158,123 +208,168 @@ class _Server:
             _pickling.inherited_fds[:] = []
 
         envs: Mapping[int, Mapping[str, str]] = header["envs"]
+        daemon = bool(header["daemon"])
+        close_fds = self.own_fds()
         sys.stdout.flush()
         sys.stderr.flush()
         pids: list[int] = []
-        pidfds: list[int] = []
         try:
             for rank in range(nprocs):
                 pid = os.fork()
                 if pid == 0:
-                    _worker.reseed()
+                    _in_worker()
                     _worker.forked_child(
                         rank,
                         self.me,
                         fn,
                         args,
                         tx,
-                        daemon=bool(header["daemon"]),
+                        daemon=daemon,
                         rank_env=envs.get(rank),
                         payload_error=payload_error,
-                        close_fds=self.own_fds(),
+                        close_fds=close_fds,
                     )
-                pidfd = _oscall.pidfd_open(pid)
                 pids.append(pid)
-                pidfds.append(pidfd)
-                self.workers[pidfd] = (launch, rank, pid)
-                self.epoll.register(pidfd, select.EPOLLIN)
+                self.workers[pid] = (launch, rank)
         except BaseException:
             launch.queue(-1, _channel.LAUNCH_FAILED, traceback.format_exc().encode())
-            for pidfd in pidfds:
-                try:
-                    _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            launch.live = len(pidfds)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
+            launch.live = len(pids)
+            pids = []
         del fn, args
+        # pidfds are opened only now, so no worker inherits its siblings'.
+        # None is reaped yet (that happens in the main loop), so each pid
+        # still names our worker.
         for start in range(0, len(pids), _channel.MAX_FDS):
-            chunk = pidfds[start : start + _channel.MAX_FDS]
-            body = _channel.pack_statuses(pids[start : start + _channel.MAX_FDS])
-            launch.queue(start, _channel.PIDS, body, [os.dup(fd) for fd in chunk])
+            chunk = pids[start : start + _channel.MAX_FDS]
+            pidfds = [_oscall.pidfd_open(pid) for pid in chunk]
+            launch.queue(start, _channel.PIDS, _channel.pack_statuses(chunk), pidfds)
         self.channels[tx.fileno()] = launch
         self.on_writable(launch)
 
-    def on_exit(self, pidfd: int) -> None:
-        launch, rank, _pid = self.workers.pop(pidfd)
-        self.epoll.unregister(pidfd)
+    def on_sigchld(self) -> None:
         try:
-            status = _oscall.pidfd_wait(pidfd, nohang=False)
-        except ChildProcessError:  # pragma: no cover - nobody else reaps
-            status = -signal.SIGKILL
-        os.close(pidfd)
-        launch.live -= 1
-        launch.queue(rank, _channel.EXIT, _channel.pack_statuses([rank, status or 0]))
-        self.on_writable(launch)
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        touched: set[_Launch] = set()
+        worker_died = False
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            entry = self.workers.pop(pid, None)
+            if entry is None:
+                continue  # an orphaned descendant we adopted and killed
+            worker_died = True
+            launch, rank = entry
+            launch.live -= 1
+            launch.exits += [rank, os.waitstatus_to_exitcode(status)]
+            touched.add(launch)
+        if worker_died:
+            self.kill_orphans()
+        for launch in touched:
+            self.on_writable(launch)
+
+    def kill_orphans(self) -> None:
+        """Kill children that are not our workers: descendants whose worker
+        died, reparented to us.  Unreaped, so their pids cannot be reused."""
+        for pid in _children_of(self.me) - set(self.workers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def on_writable(self, launch: _Launch) -> None:
         fd = launch.tx.fileno()
         sent = launch.flush()
-        if sent and launch.watching_out:
-            self.epoll.modify(fd, 0)
-            launch.watching_out = False
-        elif not sent and not launch.watching_out:
-            if fd in self.channels:
-                try:
-                    self.epoll.register(fd, select.EPOLLOUT)
-                except FileExistsError:
-                    self.epoll.modify(fd, select.EPOLLOUT)
-            launch.watching_out = True
         if launch.done:
             if fd in self.channels:
                 del self.channels[fd]
-                try:
+                if launch.watching_out:
                     self.epoll.unregister(fd)
-                except (FileNotFoundError, OSError):
-                    pass
             launch.tx.close()
+            return
+        if sent and launch.watching_out:
+            self.epoll.unregister(fd)
+            launch.watching_out = False
+        elif not sent and not launch.watching_out and fd in self.channels:
+            self.epoll.register(fd, select.EPOLLOUT)
+            launch.watching_out = True
 
     def shutdown(self) -> None:
-        """The caller is gone: kill every worker, reap, exit."""
-        for pidfd in list(self.workers):
+        """The caller is gone: kill every worker and descendant, reap, exit."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        while True:
+            for pid in _children_of(self.me):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             try:
-                _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pidfd in list(self.workers):
-            try:
-                _oscall.pidfd_wait(pidfd, nohang=False)
-            except OSError:
-                pass
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
 
 
-def main() -> None:
-    """Entry of the server process: ``python -c ... <control fd>``."""
-    control = socket.socket(fileno=int(sys.argv[1]))
-    # The first message is the caller's spawn preparation data and preloads.
-    data = control.recv(_MAX_HEADER)
-    if not data:
-        return
-    hello = pickle.loads(data)
-    from multiprocessing import spawn
+def _in_worker() -> None:
+    """Undo, in a freshly forked worker, what only the zygote wants."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _worker.reseed()
 
-    spawn.prepare(hello["preparation"])
-    for name in hello["preload"]:
+
+def _import_all(modules: Sequence[str], strict: bool = False) -> None:
+    for name in modules:
         try:
             __import__(name)
         except Exception:
+            if strict:
+                raise
             traceback.print_exc()
-    server = _Server(control)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # PR_SET_PDEATHSIG: the caller died
+
+
+def main() -> None:
+    """Entry of the zygote process: ``python -c ... <control fd> <caller pid>``."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the caller
+    control = socket.socket(fileno=int(sys.argv[1]))
+    parent = int(sys.argv[2])
+    zygote = None
     try:
-        server.serve()
+        zygote = _Zygote(control, parent)
+        # The first message: the caller's spawn preparation data and preloads.
+        data = control.recv(_MAX_HEADER)
+        if not data:
+            return
+        hello = pickle.loads(data)
+        from multiprocessing import spawn
+
+        spawn.prepare(hello["preparation"])
+        _import_all(hello["preload"])
+        zygote.serve()
     finally:
-        server.shutdown()
+        if zygote is not None:
+            zygote.shutdown()
 
 
 # ---------------------------------------------------------------- caller side
 
 
 class ServerClient:
-    """The caller's handle on its fork server (one per caller process)."""
+    """The caller's handle on its zygote (one per caller process)."""
 
     def __init__(self, preload: Sequence[str] = ()) -> None:
         from multiprocessing import spawn
@@ -289,6 +384,7 @@ class ServerClient:
                 "-c",
                 _ENTRY,
                 str(theirs.fileno()),
+                str(os.getpid()),
             ]
             # Launched from a thread that lives as long as the process, since
             # PR_SET_PDEATHSIG follows the launching thread.
@@ -298,35 +394,57 @@ class ServerClient:
                 argv,
                 dict(os.environ),
                 keep_fds=[theirs.fileno()],
-                pdeathsig=signal.SIGKILL,
+                pdeathsig=signal.SIGTERM,
+                new_process_group=True,
             )
         finally:
             theirs.close()
         self.control = mine
         self.owner = os.getpid()
         self.lock = threading.Lock()
+        self.dead = threading.Event()
         hello = {
-            "preparation": spawn.get_preparation_data("fastspawn-server"),
+            "preparation": spawn.get_preparation_data("fastspawn-zygote"),
             "preload": list(preload),
         }
         # The authkey inside pickles only while "spawning", as for spawn.
         self.control.sendall(_pickling.dumps([hello], _pickling.FdCollector()))
+        self.watcher = threading.Thread(target=self._watch, name="fastspawn-zygote-watch", daemon=True)
+        self.watcher.start()
 
-    def alive(self) -> bool:
-        return os.getpid() == self.owner and _oscall.pidfd_wait(self.pidfd, nohang=True) is None
+    def _watch(self) -> None:
+        """Wait for the zygote to exit; then kill its process group (workers
+        and their children) before reaping it, so the id cannot be reused."""
+        from fastspawn._process import wait_readable
 
-    def request(self, header: Mapping[str, Any], fds: Sequence[int]) -> None:
-        data = pickle.dumps(dict(header), pickle.HIGHEST_PROTOCOL)
-        with self.lock:
-            socket.send_fds(self.control, [data], list(fds))
-
-    def close(self) -> None:
-        """Stop the server (EOF on its control socket) and reap it."""
-        if os.getpid() != self.owner:
-            return
-        self.control.close()
+        while not wait_readable([self.pidfd], None):
+            pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         try:
             _oscall.pidfd_wait(self.pidfd, nohang=False)
         except ChildProcessError:
             pass
+        self.dead.set()
+
+    def alive(self) -> bool:
+        return os.getpid() == self.owner and not self.dead.is_set()
+
+    def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
+        data = pickle.dumps(dict(message), pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            socket.send_fds(self.control, [data], list(fds))
+
+    def close(self) -> None:
+        """Stop the zygote (EOF on its control socket) and reap it."""
+        if os.getpid() != self.owner:
+            return
+        self.control.close()
+        self.dead.wait(30)
+        if not self.dead.is_set():  # pragma: no cover - a wedged zygote
+            os.kill(self.pid, signal.SIGKILL)
+            self.dead.wait(30)
+        self.watcher.join(5)
         os.close(self.pidfd)

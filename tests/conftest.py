@@ -12,7 +12,7 @@ import pytest
 
 from fastspawn import _launch
 
-START_METHODS = ["fork", "spawn", "forkserver"]
+START_METHODS = ["zygote", "fork", "spawn", "forkserver"]
 PATIENCE = 5.0  # seconds a test's processes get to go away by themselves
 
 
