@@ -40,8 +40,9 @@ import launch_workers
 START_METHODS = ("spawn", "fork", "forkserver")
 NPROCS = (1, 8, 64)
 LAUNCHERS = ("fastspawn", "multiprocessing")
-# Rounds per nprocs: the 2-core machine takes seconds per 64-rank spawn round.
-DEFAULT_ROUNDS = {1: 10, 8: 10, 64: 5}
+# Rounds per nprocs: enough for stable medians on a noisy 2-core machine,
+# with the whole run under ~4 minutes (a 64-rank spawn round takes ~7 s).
+DEFAULT_ROUNDS = {1: 20, 8: 20, 64: 7}
 # Deadline margin = startup estimate * MARGIN_FACTOR + MARGIN_EXTRA (seconds).
 MARGIN_FACTOR = 1.5
 MARGIN_EXTRA = 0.2
@@ -243,7 +244,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(START_METHODS), choices=START_METHODS)
     parser.add_argument("--nprocs", nargs="+", type=int, default=list(NPROCS))
     parser.add_argument(
-        "--rounds", type=int, default=None, help="rounds for every nprocs (default: 10, 10, 5)"
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"rounds for every nprocs (default, by nprocs: {DEFAULT_ROUNDS}, else 5)",
     )
     parser.add_argument("--json", help="also write every sample to this file")
     opts = parser.parse_args(argv)

@@ -337,8 +337,17 @@ def _import_all(modules: Sequence[str], strict: bool = False) -> None:
             traceback.print_exc()
 
 
+_terminating = False
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(0)  # PR_SET_PDEATHSIG: the caller died
+    """PR_SET_PDEATHSIG: the caller died.  Leave the current work (a long
+    preload import, say) for the shutdown, once: a second signal must not
+    cut the shutdown itself short."""
+    global _terminating
+    if not _terminating:
+        _terminating = True
+        raise SystemExit(0)
 
 
 def main() -> None:
@@ -361,8 +370,12 @@ def main() -> None:
         _import_all(hello["preload"])
         zygote.serve()
     finally:
-        if zygote is not None:
-            zygote.shutdown()
+        while zygote is not None:
+            try:
+                zygote.shutdown()
+                break
+            except SystemExit:
+                continue  # SIGTERM landed inside the shutdown: run it again
 
 
 # ---------------------------------------------------------------- caller side

@@ -141,3 +141,43 @@ def shm_write(rank: int, name: str) -> None:
 
 def pid_and_ppid(rank: int) -> tuple[int, int]:
     return os.getpid(), os.getppid()
+
+
+def start_sleeper_child(rank: int, queue: Any) -> None:
+    """Start a child of our own (a grandchild of the caller), report, sleep."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    queue.put((os.getpid(), child.pid))
+    time.sleep(600)
+
+
+def leave_sleeper_child(rank: int) -> int:
+    """Start a child and return without waiting for it."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", "600"]).pid
+
+
+def module_loaded(rank: int, name: str) -> bool:
+    return name in sys.modules
+
+
+def thread_count(rank: int) -> int:
+    import threading
+
+    return threading.active_count()
+
+
+def random_draw(rank: int) -> float:
+    return random.random()
+
+
+def numpy_draw(rank: int) -> float:
+    import numpy
+
+    return float(numpy.random.random())
+
+
+def cwd(rank: int) -> str:
+    return os.getcwd()

@@ -1,0 +1,222 @@
+"""The zygote start method: orphan safety to the last grandchild, preload,
+one message per launch, and a clean, thread-free worker state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+import fastspawn
+from fastspawn import _launch, _server
+import workers
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+DRIVER = """
+import multiprocessing, sys, time, fastspawn, workers
+from fastspawn import _launch
+queue = multiprocessing.get_context("spawn").SimpleQueue()
+ctx = fastspawn.start_processes(
+    workers.start_sleeper_child, (queue,), nprocs=16, join=False, start_method="zygote")
+pids = []
+for _ in range(16):
+    pids.extend(queue.get())
+zygote = next(iter(_launch.helper_processes()[0]))
+print(zygote, " ".join(map(str, pids)), flush=True)
+try:
+    while not ctx.join():
+        pass
+except Exception as exc:
+    print("raised", type(exc).__name__, exc, flush=True)
+else:
+    print("returned", flush=True)
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def start_driver() -> tuple[subprocess.Popen[str], int, list[int]]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(DRIVER)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert driver.stdout is not None
+    zygote, *pids = (int(word) for word in driver.stdout.readline().split())
+    assert len(pids) == 32
+    assert not any(gone(pid) for pid in pids)
+    return driver, zygote, pids
+
+
+def stop_driver(driver: subprocess.Popen[str]) -> None:
+    driver.kill()
+    driver.wait(timeout=30)
+    assert driver.stdout is not None
+    driver.stdout.close()
+
+
+def test_sigkill_of_caller_kills_workers_and_their_children():
+    driver, zygote, pids = start_driver()
+    stop_driver(driver)
+    time.sleep(1.0)
+    alive = [pid for pid in pids + [zygote] if not gone(pid)]
+    assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
+
+
+def test_sigkill_of_zygote_kills_workers_and_their_children():
+    driver, zygote, pids = start_driver()
+    try:
+        os.kill(zygote, signal.SIGKILL)
+        time.sleep(1.0)
+        alive = [pid for pid in pids if not gone(pid)]
+        assert alive == [], f"alive 1 s after SIGKILL of the zygote: {alive}"
+        assert driver.stdout is not None
+        line = driver.stdout.readline()  # the caller raised rather than hung
+        assert line.startswith("raised ProcessExitedException"), line
+    finally:
+        stop_driver(driver)
+
+
+def test_caller_sees_zygote_death_and_recovers(caplog):
+    ctx = fastspawn.start_processes(workers.sleep_forever, nprocs=4, join=False)
+    (zygote,) = _launch.helper_processes()[0]
+    os.kill(zygote, signal.SIGKILL)
+    began = time.monotonic()
+    with pytest.raises(fastspawn.ProcessExitedException, match="SIGKILL"):
+        while not ctx.join(timeout=30):
+            pass
+    assert time.monotonic() - began < 30
+    caplog.set_level(logging.WARNING, logger="fastspawn")
+    again = fastspawn.start_processes(workers.succeed, nprocs=2)
+    assert again.return_values == {0: 0, 1: 1}
+    assert f"the zygote (pid {zygote}) died" in caplog.text
+
+
+def test_worker_children_die_with_their_worker():
+    ctx = fastspawn.start_processes(workers.leave_sleeper_child, nprocs=3)
+    orphans = list(ctx.return_values.values())
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in orphans):
+        assert time.monotonic() < deadline, "a worker's child outlived the worker"
+        time.sleep(0.05)
+
+
+def test_one_message_per_launch(monkeypatch):
+    _launch.get_server()  # started, so its hello message is not counted
+    sent = []
+    original = _server.ServerClient.send
+
+    def counting(self, message, fds=()):
+        sent.append(message["op"])
+        return original(self, message, fds)
+
+    monkeypatch.setattr(_server.ServerClient, "send", counting)
+    ctx = fastspawn.start_processes(workers.succeed, nprocs=32)
+    assert ctx.return_values == {rank: rank for rank in range(32)}
+    assert sent == ["launch"]
+
+
+def test_workers_are_children_of_the_zygote_and_thread_free():
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait)
+    busy.start()
+    try:
+        ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=2)
+        threads = fastspawn.start_processes(workers.thread_count, nprocs=2)
+    finally:
+        stop.set()
+        busy.join()
+    zygote_pids, _ = _launch.helper_processes()
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == zygote_pids
+    assert threads.return_values == {0: 1, 1: 1}
+
+
+def test_random_is_reseeded_per_worker():
+    ctx = fastspawn.start_processes(workers.random_draw, nprocs=4)
+    assert len(set(ctx.return_values.values())) == 4
+
+
+def test_numpy_is_reseeded_per_worker():
+    np = pytest.importorskip("numpy")
+    del np
+    ctx = fastspawn.start_processes(workers.numpy_draw, nprocs=4, preload=["numpy"])
+    assert len(set(ctx.return_values.values())) == 4
+
+
+def test_preload_keyword():
+    fastspawn.stop_zygote()
+    probe = fastspawn.start_processes(workers.module_loaded, ("preload_probe",), nprocs=1)
+    assert probe.return_values == {0: False}
+    probe = fastspawn.start_processes(
+        workers.module_loaded, ("preload_probe",), nprocs=1, preload=["preload_probe"]
+    )
+    assert probe.return_values == {0: True}
+    fastspawn.stop_zygote()
+
+
+def test_preload_function_and_env_var(monkeypatch):
+    fastspawn.stop_zygote()
+    fastspawn.preload(["preload_probe"])
+    probe = fastspawn.start_processes(workers.module_loaded, ("preload_probe",), nprocs=1)
+    assert probe.return_values == {0: True}
+    fastspawn.stop_zygote()
+    monkeypatch.setenv("FASTSPAWN_PRELOAD", "json, preload_probe")
+    probe = fastspawn.start_processes(workers.module_loaded, ("preload_probe",), nprocs=1)
+    assert probe.return_values == {0: True}
+    fastspawn.stop_zygote()
+
+
+def test_preload_failure_is_reported():
+    with pytest.raises(fastspawn.ProcessRaisedException, match="No module named 'no_such_mod"):
+        fastspawn.start_processes(workers.succeed, nprocs=2, preload=["no_such_mod_fs"])
+
+
+def test_preload_bad_arguments():
+    with pytest.raises(TypeError, match="preload must be a list of module names"):
+        fastspawn.start_processes(workers.succeed, preload="numpy")
+    with pytest.raises(ValueError, match="preload applies to start_method"):
+        fastspawn.start_processes(workers.succeed, start_method="spawn", preload=["json"])
+    with pytest.raises(TypeError, match="preload takes module names"):
+        fastspawn.preload([3])
+
+
+def test_caller_sys_path_change_reaches_zygote(tmp_path, monkeypatch):
+    (tmp_path / "fs_late_module.py").write_text("def work(rank):\n    return rank + 100\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fs_late_module
+
+    try:
+        ctx = fastspawn.start_processes(fs_late_module.work, nprocs=2)
+    finally:
+        del sys.modules["fs_late_module"]
+    assert ctx.return_values == {0: 100, 1: 101}
+
+
+def test_caller_cwd_reaches_workers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ctx = fastspawn.start_processes(workers.cwd, nprocs=1)
+    assert ctx.return_values == {0: str(tmp_path)}
+
+
+def test_zygote_ignores_terminal_interrupt():
+    _launch.get_server()
+    (zygote,) = _launch.helper_processes()[0]
+    os.kill(zygote, signal.SIGINT)
+    time.sleep(0.2)
+    assert not gone(zygote)
+    ctx = fastspawn.start_processes(workers.succeed, nprocs=1)
+    assert ctx.return_values == {0: 0}
