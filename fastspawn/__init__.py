@@ -19,12 +19,15 @@ from fastspawn._errors import (
 )
 from fastspawn._launch import preload, stop_server as stop_zygote
 from fastspawn._process import Process
+from fastspawn._torch import patch_torch, unpatch_torch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ENV_VAR_PARALLEL_START",
     "Process",
+    "patch_torch",
+    "unpatch_torch",
     "preload",
     "stop_zygote",
     "ProcessContext",

@@ -181,3 +181,9 @@ def numpy_draw(rank: int) -> float:
 
 def cwd(rank: int) -> str:
     return os.getcwd()
+
+
+def torch_sum(rank: int) -> float:
+    import torch
+
+    return float(torch.tensor([1.0, 2.0, 3.0]).sum() + rank)

@@ -1,0 +1,61 @@
+"""One line to switch existing torch code: ``fastspawn.patch_torch()``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from fastspawn import _context, _errors, _launch
+
+_NAMES = {
+    "spawn": _context.spawn,
+    "start_processes": _context.start_processes,
+    "ProcessContext": _context.ProcessContext,
+    "SpawnContext": _context.SpawnContext,
+    "ProcessException": _errors.ProcessException,
+    "ProcessRaisedException": _errors.ProcessRaisedException,
+    "ProcessExitedException": _errors.ProcessExitedException,
+}
+
+_originals: dict[tuple[str, str], Any] = {}
+
+
+def _modules() -> list[Any]:
+    import torch.multiprocessing  # noqa: F401  (loads the spawn module too)
+
+    # torch.multiprocessing.spawn is the function; the module is only in
+    # sys.modules under that name.
+    return [sys.modules["torch.multiprocessing"], sys.modules["torch.multiprocessing.spawn"]]
+
+
+def patch_torch(preload: bool = True) -> None:
+    """Make ``torch.multiprocessing.spawn`` / ``start_processes`` (and the
+    ``ProcessContext`` and exception names) those of fastspawn.
+
+    Call it before importing code that copies these names at import time
+    (``from torch.multiprocessing.spawn import ProcessExitedException``).
+
+    Args:
+        preload: also start the zygote now and import torch in it, so
+            workers do not pay for that import.
+
+    Raises:
+        ImportError: torch is not installed.
+    """
+    for module in _modules():
+        for name, ours in _NAMES.items():
+            key = (module.__name__, name)
+            if key not in _originals:
+                _originals[key] = getattr(module, name, None)
+            setattr(module, name, ours)
+    if preload:
+        _launch.preload(["torch"])
+
+
+def unpatch_torch() -> None:
+    """Restore what :func:`patch_torch` replaced."""
+    for (module_name, name), original in _originals.items():
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(module, name, original)
+    _originals.clear()

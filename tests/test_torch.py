@@ -1,0 +1,49 @@
+"""fastspawn.patch_torch(), when torch is installed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import fastspawn
+import workers
+
+torch_mp = pytest.importorskip("torch.multiprocessing")
+
+
+@pytest.fixture
+def patched():
+    fastspawn.patch_torch(preload=False)
+    yield
+    fastspawn.unpatch_torch()
+
+
+def test_patch_torch_routes_spawn_to_fastspawn(patched):
+    import sys
+
+    assert torch_mp.spawn is fastspawn.spawn
+    assert torch_mp.start_processes is fastspawn.start_processes
+    assert sys.modules["torch.multiprocessing.spawn"].ProcessExitedException is (
+        fastspawn.ProcessExitedException
+    )
+    ctx = torch_mp.spawn(workers.pid_and_ppid, nprocs=2)
+    zygote_pids, _ = fastspawn._launch.helper_processes()
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == zygote_pids
+
+
+def test_patched_exceptions_are_catchable_by_torch_names(patched):
+    with pytest.raises(torch_mp.ProcessRaisedException, match="legitimate exception"):
+        torch_mp.start_processes(workers.raise_on, (0, 0.0), nprocs=2, start_method="spawn")
+
+
+def test_unpatch_restores_torch(patched):
+    fastspawn.unpatch_torch()
+    assert torch_mp.spawn is not fastspawn.spawn
+    assert torch_mp.spawn.__module__ == "torch.multiprocessing.spawn"
+    fastspawn.patch_torch(preload=False)  # the fixture unpatches again
+
+
+def test_torch_works_in_zygote_workers(patched):
+    ctx = torch_mp.spawn(workers.torch_sum, nprocs=2, preload=["torch"])
+    assert ctx.return_values == {0: 6.0, 1: 7.0}
