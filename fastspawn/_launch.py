@@ -268,6 +268,9 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         get_server().send(header, [tx.fileno(), payload_fd, *collector.fds])
     finally:
         os.close(payload_fd)
+        # Our copy must go before we wait: if the zygote dies, the channel's
+        # EOF is how we learn it.
+        tx.close()
     reports = rx.reports
     while len(reports.pids) < req.nprocs and reports.launch_failed is None:
         if not rx.read_blocking(None) and reports.eof:
@@ -275,7 +278,11 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
     started: Started = [reports.pids[rank] + (False,) for rank in sorted(reports.pids)]
     if reports.launch_failed is not None or len(started) < req.nprocs:
         _kill_started(started)
-        why = reports.launch_failed or "the zygote died during the launch"
+        why = reports.launch_failed or (
+            "the zygote died during the launch; what it printed on stderr says why "
+            "(a __main__ that starts processes without an `if __name__ == '__main__':` "
+            "guard is a common cause)"
+        )
         raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
     return started
 

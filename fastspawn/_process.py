@@ -97,9 +97,11 @@ class Process:
             return
         reports = self._receiver.reports
         if self.rank not in reports.exits and self._exited():
-            # The server reaps at once and reports; wait for that word, or for
-            # the channel's end if the server itself died.
-            deadline = time.monotonic() + 5.0
+            # The zygote reaps at once and reports; wait for that word, or for
+            # the channel's end if the zygote itself died (its workers then
+            # die too, closing the channel).  The deadline only guards
+            # against a wedged zygote.
+            deadline = time.monotonic() + 60.0
             while self.rank not in reports.exits and not reports.eof:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._receiver.read_blocking(left):
@@ -107,8 +109,8 @@ class Process:
                 self._receiver.drain()
             if self.rank not in reports.exits:
                 log.error(
-                    "no exit status came for worker %d (pid %d): the fastspawn fork "
-                    "server has died; counting it as killed by SIGKILL",
+                    "no exit status came for worker %d (pid %d): the fastspawn zygote "
+                    "died or hangs; counting the worker as killed by SIGKILL",
                     self.rank,
                     self.pid,
                 )

@@ -364,9 +364,7 @@ def main() -> None:
         if not data:
             return
         hello = pickle.loads(data)
-        from multiprocessing import spawn
-
-        spawn.prepare(hello["preparation"])
+        _worker.prepare(hello["preparation"])
         _import_all(hello["preload"])
         zygote.serve()
     finally:

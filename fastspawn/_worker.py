@@ -158,6 +158,21 @@ def forked_child(
     _finish(code, run_atexit=False)
 
 
+def prepare(preparation: dict[str, Any]) -> None:
+    """multiprocessing.spawn.prepare, flagged as bootstrapping: a ``__main__``
+    that starts processes at import time (no ``if __name__ == "__main__"``
+    guard) then gets multiprocessing's clear RuntimeError instead of
+    starting processes without end."""
+    from multiprocessing import process, spawn
+
+    current = process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        spawn.prepare(preparation)
+    finally:
+        current._inheriting = False  # type: ignore[attr-defined]
+
+
 def read_payload(fd: int) -> io.BytesIO:
     """The whole payload memfd, read at explicit offsets, then closed."""
     try:
@@ -201,7 +216,7 @@ def spawn_main() -> NoReturn:
                 resource_tracker._resource_tracker._fd = tracker_fd  # type: ignore[attr-defined]
             try:
                 preparation = pickle.load(payload)
-                spawn.prepare(preparation)
+                prepare(preparation)
                 process.current_process()._config["daemon"] = daemon  # type: ignore[attr-defined]
                 process.current_process().name = f"fastspawn-worker-{rank}"
                 fn, args = pickle.load(payload)

@@ -220,3 +220,19 @@ def test_zygote_ignores_terminal_interrupt():
     assert not gone(zygote)
     ctx = fastspawn.start_processes(workers.succeed, nprocs=1)
     assert ctx.return_values == {0: 0}
+
+
+def test_unguarded_main_is_an_error_not_a_process_storm(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import fastspawn\n"
+        "def work(rank):\n"
+        "    return rank\n"
+        "fastspawn.start_processes(work, nprocs=2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert "bootstrapping phase" in done.stderr
+    assert "the zygote could not start the workers" in done.stderr
