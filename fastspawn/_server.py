@@ -213,6 +213,11 @@ class _Zygote:
         sys.stdout.flush()
         sys.stderr.flush()
         pids: list[int] = []
+        # A signal landing between fork and _in_worker() would run the
+        # zygote's handlers in the worker (SIGTERM would make it act as a
+        # zygote shutting down, and exit 0).  Block them across the fork; the
+        # worker unblocks once its own dispositions are in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
         try:
             for rank in range(nprocs):
                 pid = os.fork()
@@ -237,6 +242,8 @@ class _Zygote:
                 os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
             launch.live = len(pids)
             pids = []
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
         del fn, args
         # pidfds are opened only now, so no worker inherits its siblings'.
         # None is reaped yet (that happens in the main loop), so each pid
@@ -318,12 +325,16 @@ class _Zygote:
                 return
 
 
+_ZYGOTE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+
+
 def _in_worker() -> None:
     """Undo, in a freshly forked worker, what only the zygote wants."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
     _worker.reseed()
 
 
