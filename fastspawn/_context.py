@@ -354,6 +354,24 @@ def _check_options(options: Mapping[str, Any]) -> None:
 # ---------------------------------------------------------------- public API
 
 
+def launch_context(request: _launch.LaunchRequest) -> ProcessContext:
+    """Start the workers of a checked request; nothing is left on failure."""
+    rx_sock, tx = channel_pair()
+    receiver = Receiver(rx_sock)
+    try:
+        started = _launch.launch(request, tx, receiver)
+    except BaseException:
+        receiver.close()
+        raise
+    finally:
+        tx.close()
+    processes = [
+        Process(rank, pid, pidfd, receiver, is_child)
+        for rank, (pid, pidfd, is_child) in enumerate(started)
+    ]
+    return ProcessContext(processes, receiver, daemon=request.daemon)
+
+
 def start_processes(
     fn: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -423,20 +441,7 @@ def start_processes(
         envs=checked_envs,
         preload=preload_list,
     )
-    rx_sock, tx = channel_pair()
-    receiver = Receiver(rx_sock)
-    try:
-        started = _launch.launch(request, tx, receiver)
-    except BaseException:
-        receiver.close()
-        raise
-    finally:
-        tx.close()
-    processes = [
-        Process(rank, pid, pidfd, receiver, is_child)
-        for rank, (pid, pidfd, is_child) in enumerate(started)
-    ]
-    context = ProcessContext(processes, receiver, daemon=bool(daemon))
+    context = launch_context(request)
     if not join:
         return context
     try:

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastspawn import _oscall, _pickling, _worker
+from fastspawn import _channel, _oscall, _pickling, _worker
 from fastspawn._channel import Receiver
 from fastspawn._server import ServerClient
 
@@ -45,6 +45,9 @@ class LaunchRequest:
     start_method: str
     envs: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     preload: Sequence[str] = ()
+    # rank -> (stdout fd, stderr fd) the worker gets as its fd 1 and 2
+    # (-1: the caller's).  The caller keeps ownership of these fds.
+    stdio: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
 
 Started = list[tuple[int, int, bool]]
@@ -159,6 +162,7 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
                     daemon=req.daemon,
                     rank_env=req.envs.get(rank),
                     close_fds=[rx.fileno()],
+                    stdio=req.stdio.get(rank),
                 )
             started.append((pid, _oscall.pidfd_open(pid), True))
     except BaseException:
@@ -189,10 +193,13 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
     try:
         for rank in range(req.nprocs):
             env = {**base_env, **req.envs.get(rank, {})}
+            out, err = req.stdio.get(rank, (-1, -1))
             pid, pidfd = _oscall.launch(
                 sys.executable,
                 argv + [str(rank)] + tail,
                 env,
+                stdout=out,
+                stderr=err,
                 keep_fds=keep,
                 pdeathsig=signal.SIGKILL,
             )
@@ -264,8 +271,22 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         "envs": {rank: dict(env) for rank, env in req.envs.items()},
         "tracker_index": tracker_index,
     }
+    # Per-rank stdio fds follow the launch message, at most MAX_FDS a message.
+    stdio_fds: list[int] = []
+    stdio_slots: list[tuple[int, int]] = []  # (rank, 1 or 2), one per fd
+    for rank, pair in sorted(req.stdio.items()):
+        for stream, fd in zip((1, 2), pair):
+            if fd >= 0:
+                stdio_slots.append((rank, stream))
+                stdio_fds.append(fd)
+    header["stdio_slots"] = stdio_slots
     try:
-        get_server().send(header, [tx.fileno(), payload_fd, *collector.fds])
+        server = get_server()
+        with server.lock:
+            server.send(header, [tx.fileno(), payload_fd, *collector.fds], locked=True)
+            for start in range(0, len(stdio_fds), _channel.MAX_FDS):
+                chunk = stdio_fds[start : start + _channel.MAX_FDS]
+                server.send({"op": "fds"}, chunk, locked=True)
     finally:
         os.close(payload_fd)
         # Our copy must go before we wait: if the zygote dies, the channel's

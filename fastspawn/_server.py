@@ -179,6 +179,7 @@ class _Zygote:
         payload_fd = fds[1]
         user_fds = fds[2:]
         nprocs = int(header["nprocs"])
+        stdio = self.receive_stdio(header["stdio_slots"])
         launch = _Launch(tx, nprocs)
         fn: Any = None
         args: Any = ()
@@ -233,6 +234,7 @@ class _Zygote:
                         rank_env=envs.get(rank),
                         payload_error=payload_error,
                         close_fds=close_fds,
+                        stdio=stdio.get(rank),
                     )
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)
@@ -244,6 +246,10 @@ class _Zygote:
             pids = []
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
+            for pair in stdio.values():
+                for fd in pair:
+                    if fd >= 0:
+                        os.close(fd)
         del fn, args
         # pidfds are opened only now, so no worker inherits its siblings'.
         # None is reaped yet (that happens in the main loop), so each pid
@@ -254,6 +260,19 @@ class _Zygote:
             launch.queue(start, _channel.PIDS, _channel.pack_statuses(chunk), pidfds)
         self.channels[tx.fileno()] = launch
         self.on_writable(launch)
+
+    def receive_stdio(self, slots: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+        """Read the per-rank stdio fds that follow a launch message."""
+        fds: list[int] = []
+        while len(fds) < len(slots):
+            data, more, _flags, _addr = socket.recv_fds(self.control, _MAX_HEADER, _channel.MAX_FDS)
+            if not data:
+                raise EOFError("the caller went away in the middle of a launch")
+            fds.extend(more)
+        stdio: dict[int, list[int]] = {}
+        for (rank, stream), fd in zip(slots, fds):
+            stdio.setdefault(rank, [-1, -1])[stream - 1] = fd
+        return stdio
 
     def on_sigchld(self) -> None:
         try:
@@ -454,8 +473,13 @@ class ServerClient:
     def alive(self) -> bool:
         return os.getpid() == self.owner and not self.dead.is_set()
 
-    def send(self, message: Mapping[str, Any], fds: Sequence[int] = ()) -> None:
+    def send(self, message: Mapping[str, Any], fds: Sequence[int] = (), locked: bool = False) -> None:
+        """Send one control message (``locked``: the caller holds ``lock``,
+        to keep a launch and the messages that follow it together)."""
         data = pickle.dumps(dict(message), pickle.HIGHEST_PROTOCOL)
+        if locked:
+            socket.send_fds(self.control, [data], list(fds))
+            return
         with self.lock:
             socket.send_fds(self.control, [data], list(fds))
 

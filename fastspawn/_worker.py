@@ -105,6 +105,17 @@ def _after_fork(rank: int, daemon: bool) -> None:
     current.name = f"fastspawn-worker-{rank}"
 
 
+def _redirect_stdio(stdio: Sequence[int]) -> None:
+    """Point fds 1 and 2 at the given fds (-1: leave as is), flushing first."""
+    for target, fd in zip((1, 2), stdio):
+        if fd >= 0 and fd != target:
+            stream = sys.stdout if target == 1 else sys.stderr
+            if stream is not None:
+                stream.flush()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def reseed() -> None:
     """Give a forked worker its own random streams, as a fresh interpreter has."""
     random.seed()
@@ -127,6 +138,7 @@ def forked_child(
     rank_env: Mapping[str, str] | None = None,
     payload_error: str | None = None,
     close_fds: Sequence[int] = (),
+    stdio: Sequence[int] | None = None,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
@@ -145,6 +157,8 @@ def forked_child(
                 os.close(fd)
             except OSError:
                 pass
+        if stdio is not None:
+            _redirect_stdio(stdio)
         if rank_env:
             os.environ.update(rank_env)
         _after_fork(rank, daemon)

@@ -120,9 +120,9 @@ def test_one_message_per_launch(monkeypatch):
     sent = []
     original = _server.ServerClient.send
 
-    def counting(self, message, fds=()):
+    def counting(self, message, fds=(), locked=False):
         sent.append(message["op"])
-        return original(self, message, fds)
+        return original(self, message, fds, locked)
 
     monkeypatch.setattr(_server.ServerClient, "send", counting)
     ctx = fastspawn.start_processes(workers.succeed, nprocs=32)
