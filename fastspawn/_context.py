@@ -56,6 +56,7 @@ class ProcessContext:
         # the waiter no longer sees them, so join looks here first.
         self._reaped_elsewhere: list[int] = []
         self._waiter.add(receiver.fileno(), _CHANNEL)
+        self._channel_watched = True
         for proc in processes:
             self._waiter.add(proc.sentinel, proc.rank)
             self._watched.add(proc.rank)
@@ -117,7 +118,7 @@ class ProcessContext:
             exited = False
             for token in ready:
                 if token == _CHANNEL:
-                    self._receiver.drain()
+                    self._drain()
                     continue
                 proc = self._pending.get(token)
                 if proc is None or proc.exitcode is None:
@@ -131,15 +132,6 @@ class ProcessContext:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            if self._receiver.reports.eof and not ready:
-                # The channel closed but no exit was seen: poll every worker once.
-                for rank, proc in list(self._pending.items()):
-                    if proc.exitcode is not None:
-                        del self._pending[rank]
-                        if proc.exitcode != 0:
-                            error_rank = rank
-                            break
-                break
         if error_rank is None:
             if self._pending:
                 return False
@@ -148,6 +140,14 @@ class ProcessContext:
         self._failed = True
         self._stop_all(grace_period)
         raise self._exception(error_rank)
+
+    def _drain(self) -> None:
+        """Read the report channel; at its EOF stop watching it (an fd at EOF
+        polls readable for ever)."""
+        self._receiver.drain()
+        if self._receiver.reports.eof and self._channel_watched and self._waiter is not None:
+            self._waiter.remove(self._receiver.fileno())
+            self._channel_watched = False
 
     def _wait_all(self, timeout: float) -> None:
         """Wait up to ``timeout`` for every pending worker to exit."""
@@ -166,7 +166,7 @@ class ProcessContext:
                     continue
             for token in ready:
                 if token == _CHANNEL:
-                    self._receiver.drain()
+                    self._drain()
                     continue
                 proc = self._pending.get(token)
                 if proc is not None and proc.exitcode is not None:
