@@ -1,0 +1,256 @@
+"""``fastspawn`` on the command line: ``fastspawn run`` (and ``python -m
+fastspawn run``) starts N ranks of a program per node, torchrun-style."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+
+from fastspawn import elastic
+
+RUN_DESCRIPTION = """\
+Start N copies (ranks) of a program on this node, each with the environment
+torch.distributed expects: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT (plus TORCHELASTIC_RESTART_COUNT,
+TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_ERROR_FILE).  A program ending in
+.py runs under this Python.  Every rank, and every child of a rank, dies with
+this command, however it is stopped.
+
+Exit status: 0 when every rank succeeded; else the first failed rank's exit
+code (128+N for a rank killed by signal N), with a one-line summary on stderr.
+Ctrl-C or SIGTERM stops every rank and exits 128+signal.
+
+Under Slurm (srun), --nnodes, --node-rank and --master-addr default to
+SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST.
+"""
+
+RUN_EPILOG = """\
+examples:
+  fastspawn run --nprocs-per-node 4 train.py --epochs 3
+  fastspawn run --nprocs-per-node 8 --log-dir logs --tee 3 -- ./worker --flag
+  fastspawn run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
+      --nprocs-per-node 8 train.py
+"""
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``node[03-05,07],gpu1`` -> ``node03``."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot read SLURM_JOB_NODELIST {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _std(text: str) -> elastic.Std | dict[int, elastic.Std]:
+    try:
+        return elastic.Std.from_str(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def run_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nprocs-per-node", "--nproc-per-node", type=_positive, required=True,
+                        metavar="N", help="ranks to start on this node")
+    parser.add_argument("--nnodes", type=_positive, default=None,
+                        help="number of nodes (default: SLURM_NNODES, else 1)")
+    parser.add_argument("--node-rank", type=_non_negative, default=None,
+                        help="this node's index (default: SLURM_NODEID, else 0)")
+    parser.add_argument("--master-addr", default=None,
+                        help="address of node 0 (default: Slurm's first host, else 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port on node 0 (default: a free port on one node, 29500 on several)")
+    parser.add_argument("--log-dir", default=None,
+                        help="empty directory for {attempt}/{rank}/stdout.log|stderr.log|error.json "
+                        "(default: a new private temporary directory when --redirects or --tee "
+                        "ask for files)")
+    parser.add_argument("--redirects", type=_std, default=elastic.Std.NONE, metavar="STD",
+                        help="streams to write to log files only: 0 none, 1 stdout, 2 stderr, "
+                        "3 both, or per rank like 0:3,1:1")
+    parser.add_argument("--tee", type=_std, default=elastic.Std.NONE, metavar="STD",
+                        help="streams to write to log files and show with a [name rank]: prefix")
+    parser.add_argument("--max-restarts", type=_non_negative, default=0, metavar="K",
+                        help="restart the whole group up to K times after a failure")
+    parser.add_argument("--name", default=None, help="prefix name for tee'd lines (default: program)")
+    parser.add_argument("program", help="the program (a .py file runs under this Python)")
+    parser.add_argument("program_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastspawn", description="fastspawn: orphan-safe, fast process launching.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="start N ranks of a program", description=RUN_DESCRIPTION,
+                              epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_parser(run)
+    bench = commands.add_parser("bench", help="measure launch overhead on this machine",
+                                add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int, int, str, int]:
+    """(nnodes, node_rank, master_addr, master_port) from flags, then Slurm."""
+    nnodes = args.nnodes
+    node_rank = args.node_rank
+    addr = args.master_addr
+    if nnodes is None:
+        nnodes = int(environ.get("SLURM_NNODES", "1"))
+    if node_rank is None:
+        node_rank = int(environ.get("SLURM_NODEID", "0"))
+    if addr is None:
+        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        addr = first_slurm_host(nodelist) if nodelist and nnodes > 1 else "127.0.0.1"
+    if node_rank >= nnodes:
+        raise SystemExit(f"fastspawn run: --node-rank {node_rank} is not below --nnodes {nnodes}")
+    port = args.master_port
+    if port is None:
+        port = free_port() if nnodes == 1 else 29500
+    return nnodes, node_rank, addr, port
+
+
+def rank_envs(nprocs: int, nnodes: int, node_rank: int, addr: str, port: int, restart: int,
+              max_restarts: int) -> dict[int, dict[str, str]]:
+    envs = {}
+    for local in range(nprocs):
+        envs[local] = {
+            "RANK": str(node_rank * nprocs + local),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(nnodes * nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "GROUP_RANK": str(node_rank),
+            "GROUP_WORLD_SIZE": str(nnodes),
+            "ROLE_RANK": str(node_rank * nprocs + local),
+            "ROLE_WORLD_SIZE": str(nnodes * nprocs),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        }
+    return envs
+
+
+def describe(failure: elastic.ProcessFailure, global_rank: int) -> str:
+    if failure.exitcode < 0:
+        cause = f"killed by signal {failure.signal_name()}"
+    else:
+        cause = f"exit code {failure.exitcode}"
+    detail = ""
+    if failure.error_file != "<N/A>":
+        detail = f": {failure.message}"
+    return (
+        f"fastspawn run: rank {global_rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"failed with {cause}{detail}"
+    )
+
+
+def exit_code(code: int) -> int:
+    return 128 - code if code < 0 else (code or 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    nprocs = args.nprocs_per_node
+    nnodes, node_rank, addr, port = topology(args, os.environ)
+    program = args.program
+    program_args: Sequence[str] = args.program_args
+    if program_args and program_args[0] == "--":
+        program_args = program_args[1:]
+    if program.endswith(".py"):
+        entrypoint = sys.executable
+        argv = ["-u", program, *program_args]
+    else:
+        entrypoint = program
+        argv = list(program_args)
+    name = args.name or os.path.basename(program)
+    log_dir = args.log_dir
+    wants_files = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
+    if log_dir is None and wants_files:
+        log_dir = tempfile.mkdtemp(prefix="fastspawn-run-")
+        print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
+    elif log_dir is not None:
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+
+    for attempt in range(args.max_restarts + 1):
+        attempt_dir = os.devnull
+        if log_dir is not None:
+            attempt_dir = os.path.join(log_dir, f"attempt_{attempt}")
+            os.mkdir(attempt_dir, 0o700)
+        envs = rank_envs(nprocs, nnodes, node_rank, addr, port, attempt, args.max_restarts)
+        ctx = None
+        try:
+            ctx = elastic.start_processes(
+                name=name,
+                entrypoint=entrypoint,
+                args={rank: tuple(argv) for rank in range(nprocs)},
+                envs=envs,
+                log_dir=attempt_dir,
+                redirects=args.redirects,
+                tee=args.tee,
+                log_line_prefixes={
+                    rank: f"[{name}{node_rank * nprocs + rank}]:" for rank in range(nprocs)
+                },
+            )
+            result = ctx.wait()
+        except elastic.SignalException as exc:
+            print(f"fastspawn run: got {exc.sigval.name}, stopping every rank", file=sys.stderr)
+            if ctx is not None:
+                ctx.close(exc.sigval, timeout=10)
+            return 128 + int(exc.sigval)
+        except OSError as exc:
+            print(f"fastspawn run: cannot start {program!r}: {exc}", file=sys.stderr)
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+        assert result is not None
+        if not result.is_failed():
+            return 0
+        local, failure = min(result.failures.items())
+        print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
+        ctx.close(timeout=10)
+        if attempt < args.max_restarts:
+            print(f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",
+                  file=sys.stderr)
+            continue
+        return exit_code(failure.exitcode)
+    return 1  # pragma: no cover - the loop always returns
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from fastspawn._bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return run(args)
+
+
+def console_main() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main())

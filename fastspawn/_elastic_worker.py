@@ -1,0 +1,63 @@
+"""What elastic ranks run inside a fastspawn worker: a function, recording
+its error file on failure, or an exec of a binary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def write_error_file(exc: BaseException) -> None:
+    """Write TorchElastic's error.json for ``exc`` where TORCHELASTIC_ERROR_FILE
+    says (nowhere when it is unset or empty).  The file is created 0600."""
+    path = os.environ.get(ERROR_FILE_ENV, "")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        json.dump(data, f)
+
+
+def run_function(
+    rank: int, entrypoint: Callable[..., Any], args: Mapping[int, Sequence[Any]]
+) -> Any:
+    """Call ``entrypoint(*args[rank])``; on an exception write the error file
+    first, then let the core report it."""
+    try:
+        return entrypoint(*args[rank])
+    except Exception as exc:
+        write_error_file(exc)
+        raise
+
+
+def exec_binary(rank: int, path: str, argvs: Mapping[int, Sequence[str]]) -> NoReturn:
+    """Become the binary: own session (so a signal to its process group
+    reaches its children), default signal dispositions, then exec.
+
+    PR_SET_PDEATHSIG, armed when this worker was forked, survives the exec.
+    """
+    os.setsid()
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os.execve(path, list(argvs[rank]), dict(os.environ))

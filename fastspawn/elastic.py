@@ -1,0 +1,500 @@
+"""TorchElastic-style launching: N copies of a function or a binary, with
+per-rank args and envs, log files, tee and error files.
+
+The surface follows ``torch.distributed.elastic.multiprocessing``
+(``start_processes``, ``Std``, ``RunProcsResult``, ``ProcessFailure``,
+``SignalException``, the ``{rank}/stdout.log|stderr.log|error.json`` layout
+and ``TORCHELASTIC_ERROR_FILE``).  Underneath, every rank is a fastspawn
+worker: orphan-safe (a rank and its children die with the launcher), waited
+on through pidfds, tee'd by one event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Union
+
+from fastspawn import _context, _launch
+from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
+from fastspawn._errors import ProcessException, signal_name
+from fastspawn._tee import Tee
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PContext",
+    "ProcessFailure",
+    "RunProcsResult",
+    "SignalException",
+    "Std",
+    "start_processes",
+    "to_map",
+]
+
+_NOT_AVAILABLE = "<N/A>"
+_EMPTY_ERROR_DATA = {"message": "<NONE>"}
+
+
+class SignalException(Exception):
+    """The launcher got a termination signal; ``sigval`` says which, so the
+    caller can ``close(e.sigval)``."""
+
+    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
+
+
+def _raise_signal_exception(signum: int, frame: Any) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+class Std(enum.IntFlag):
+    """Which standard streams to redirect or tee."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+    @classmethod
+    def from_str(cls, value: str) -> Std | dict[int, Std]:
+        """``"0"``..``"3"`` for every rank, or ``"rank:value,..."`` per rank
+        (``"0:1,1:2"``).
+
+        Raises:
+            ValueError: anything else (``"11"``, ``"0:1,"``, ``"1,0:1"``).
+        """
+        if re.fullmatch(r"[0-3]", value):
+            return cls(int(value))
+        if re.fullmatch(r"(\d+:[0-3],)*\d+:[0-3]", value):
+            result: dict[int, Std] = {}
+            for item in value.split(","):
+                rank, std = item.split(":")
+                result[int(rank)] = cls(int(std))
+            return result
+        raise ValueError(
+            f"{value!r} is not a Std spec: give one of 0 (none), 1 (stdout), 2 (stderr), "
+            "3 (both), or rank:value pairs such as '0:1,1:2'"
+        )
+
+
+def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, Std]:
+    """Expand ``value`` to every rank in ``range(local_world_size)``; ranks a
+    mapping leaves out get ``Std.NONE``."""
+    if isinstance(value, Std):
+        return dict.fromkeys(range(local_world_size), value)
+    return {rank: Std(value.get(rank, Std.NONE)) for rank in range(local_world_size)}
+
+
+@dataclass
+class ProcessFailure:
+    """A failed rank: its exit code and what its error file says."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: str
+    error_file_data: dict[str, Any] = field(init=False)
+    message: str = field(init=False)
+    timestamp: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.error_file_data = dict(_EMPTY_ERROR_DATA)
+        self.message = ""
+        self.timestamp = int(time.time())
+        if os.path.isfile(self.error_file):
+            with open(self.error_file) as f:
+                self.error_file_data = json.load(f)
+            message = self.error_file_data["message"]
+            if isinstance(message, str):
+                self.message = message
+                self.timestamp = int(self.error_file_data.get("timestamp", 0))
+            else:
+                self.message = message["message"]
+                self.timestamp = int(message["extraInfo"]["timestamp"])
+        else:
+            self.error_file = _NOT_AVAILABLE
+        if not self.message:
+            if self.exitcode < 0:
+                self.message = (
+                    f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+                )
+            else:
+                self.message = (
+                    f"{_EMPTY_ERROR_DATA['message']}: rank {self.local_rank} exited with code "
+                    f"{self.exitcode} and wrote no error file"
+                )
+
+    def signal_name(self) -> str:
+        return signal_name(-self.exitcode) if self.exitcode < 0 else _NOT_AVAILABLE
+
+
+@dataclass
+class RunProcsResult:
+    """What ``wait`` returns: all succeeded, or the failure(s) that ended the run."""
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return len(self.failures) > 0
+
+
+def _validate_full_rank(mapping: Mapping[int, Any], nprocs: int, what: str) -> None:
+    actual = set(mapping)
+    expected = set(range(nprocs))
+    if actual != expected:
+        raise RuntimeError(
+            f"{what}, local rank mapping mismatch, expected: {sorted(expected)}, "
+            f"actual: {sorted(actual, key=str)}"
+        )
+
+
+def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
+    """The path to exec, or FileNotFoundError / PermissionError naming it."""
+    if "/" in entrypoint:
+        path = entrypoint
+        if not os.path.exists(path):
+            raise FileNotFoundError(2, f"No such file or directory: {path!r}", path)
+    else:
+        found = shutil.which(entrypoint, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise FileNotFoundError(
+                2, f"{entrypoint!r} not found on PATH ({env.get('PATH', os.defpath)})", entrypoint
+            )
+        path = found
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise PermissionError(13, f"not an executable file: {path!r}", path)
+    return path
+
+
+def _open_log(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
+class PContext:
+    """The ranks of one ``start_processes`` call."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: Mapping[int, Sequence[Any]],
+        envs: Mapping[int, Mapping[str, str]],
+        stdouts: Mapping[int, str],
+        stderrs: Mapping[int, str],
+        tee_stdouts: Mapping[int, bool],
+        tee_stderrs: Mapping[int, bool],
+        error_files: Mapping[int, str],
+        start_method: str,
+        log_line_prefixes: Mapping[int, str] | None,
+    ) -> None:
+        self.name = name
+        self.entrypoint = entrypoint
+        self.args = dict(args)
+        self.envs = {rank: dict(env) for rank, env in envs.items()}
+        self.nprocs = len(args)
+        self.stdouts = dict(stdouts)
+        self.stderrs = dict(stderrs)
+        self.tee_stdouts = dict(tee_stdouts)
+        self.tee_stderrs = dict(tee_stderrs)
+        self.error_files = dict(error_files)
+        self.start_method = start_method
+        self.log_line_prefixes = dict(log_line_prefixes or {})
+        self._ctx: _context.ProcessContext | None = None
+        self._tee = Tee()
+        self._result: RunProcsResult | None = None
+
+    def __repr__(self) -> str:
+        return f"<fastspawn.elastic.PContext name={self.name!r} nprocs={self.nprocs} pids={self.pids()}>"
+
+    # ------------------------------------------------------------- start
+
+    def start(self) -> None:
+        """Install the SignalException handlers (main thread only), then
+        start every rank."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+                signal.signal(sig, _raise_signal_exception)
+        else:
+            log.warning(
+                "start_processes called from a thread other than the main one: no "
+                "SignalException handlers installed"
+            )
+        stdio, child_fds = self._open_stdio()
+        try:
+            request = self._request(stdio)
+            self._ctx = _context.launch_context(request)
+        except BaseException:
+            self._tee = Tee()  # drop the pipes' read ends with the request
+            raise
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        self._tee.start()
+
+    def _prefix(self, rank: int) -> str:
+        return self.log_line_prefixes.get(rank, f"[{self.name}{rank}]:")
+
+    def _open_stdio(self) -> tuple[dict[int, tuple[int, int]], list[int]]:
+        """Per rank (stdout fd, stderr fd) for the child; the fds to close
+        here once the children have their copies."""
+        stdio: dict[int, tuple[int, int]] = {}
+        child_fds: list[int] = []
+        try:
+            for rank in range(self.nprocs):
+                pair = []
+                for path, tee, console in (
+                    (self.stdouts[rank], self.tee_stdouts.get(rank, False), "stdout"),
+                    (self.stderrs[rank], self.tee_stderrs.get(rank, False), "stderr"),
+                ):
+                    if not path and not tee:
+                        pair.append(-1)
+                        continue
+                    if tee:
+                        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+                        log_file: BinaryIO | None = (
+                            open(_open_log(path), "wb") if path and path != os.devnull else None
+                        )
+                        self._tee.add(read_end, log_file, console, self._prefix(rank))
+                        child_fds.append(write_end)
+                        pair.append(write_end)
+                    else:
+                        fd = _open_log(path)
+                        child_fds.append(fd)
+                        pair.append(fd)
+                stdio[rank] = (pair[0], pair[1])
+        except BaseException:
+            for fd in child_fds:
+                os.close(fd)
+            raise
+        return stdio, child_fds
+
+    def _request(self, stdio: dict[int, tuple[int, int]]) -> _launch.LaunchRequest:
+        if isinstance(self.entrypoint, str):
+            env0 = {**os.environ, **self.envs[0]}
+            path = _resolve_binary(self.entrypoint, env0)
+            argvs = {
+                rank: [self.entrypoint, *(str(a) for a in self.args[rank])]
+                for rank in range(self.nprocs)
+            }
+            fn: Callable[..., Any] = exec_binary
+            fn_args: tuple[Any, ...] = (path, argvs)
+            method = _launch.DEFAULT_START_METHOD  # the zygote adopts orphans
+        else:
+            fn = run_function
+            fn_args = (self.entrypoint, self.args)
+            method = self.start_method
+        return _launch.LaunchRequest(
+            fn=fn,
+            args=fn_args,
+            nprocs=self.nprocs,
+            daemon=False,
+            start_method=method,
+            envs=self.envs,
+            stdio=stdio,
+        )
+
+    # -------------------------------------------------------------- wait
+
+    def pids(self) -> dict[int, int]:
+        """``{rank: pid}``."""
+        if self._ctx is None:
+            return {}
+        return dict(enumerate(self._ctx.pids()))
+
+    def _poll(self, timeout: float | None) -> RunProcsResult | None:
+        assert self._ctx is not None, "start() first"
+        if self._result is not None:
+            return self._result
+        try:
+            done = self._ctx.join(timeout=timeout)
+        except ProcessException as exc:
+            rank = exc.error_index
+            code = self._ctx.processes[rank].exitcode
+            failure = ProcessFailure(
+                local_rank=rank,
+                pid=exc.error_pid,
+                exitcode=code if code is not None else 1,
+                error_file=self.error_files[rank],
+            )
+            self._tee.join(5.0)
+            self._result = RunProcsResult(
+                failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
+            )
+            return self._result
+        if not done:
+            return None
+        self._tee.join(5.0)
+        if isinstance(self.entrypoint, str):
+            values: dict[int, Any] = dict.fromkeys(range(self.nprocs))
+        else:
+            values = dict(self._ctx.return_values)
+            for rank in range(self.nprocs):
+                values.setdefault(rank, None)
+        self._result = RunProcsResult(
+            return_values=values, stdouts=self.stdouts, stderrs=self.stderrs
+        )
+        return self._result
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Wait for all ranks to succeed or any to fail.
+
+        Args:
+            timeout: seconds; 0 polls once, a negative value waits for ever.
+            period: accepted for compatibility; fastspawn waits on events
+                rather than polling, so it is not used.
+
+        Returns:
+            The result, or None if ``timeout`` ran out first.  After a
+            failure the other ranks have been stopped.
+        """
+        if timeout == 0:
+            return self._poll(0)
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            result = self._poll(left)
+            if result is not None:
+                return result
+
+    # ------------------------------------------------------------- close
+
+    def close(self, death_sig: signal.Signals | int | None = None, timeout: float = 30) -> None:
+        """Stop every rank: ``death_sig`` (SIGTERM by default) to each, to its
+        whole process group for binaries; after ``timeout`` seconds in all,
+        SIGKILL; then reap."""
+        if self._ctx is None:
+            return
+        sig = signal.SIGTERM if death_sig is None else death_sig
+        procs = [p for p in self._ctx.processes if p._exitcode is None]
+        for proc in procs:
+            self._signal(proc, sig)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                log.warning("rank %d (pid %d) ignored %s; sending SIGKILL", proc.rank, proc.pid, sig)
+                self._signal(proc, signal.SIGKILL)
+        for proc in procs:
+            proc.join()
+        try:
+            while not self._ctx.join(timeout=0):
+                pass
+        except ProcessException:
+            pass  # killed on purpose
+        self._tee.join(5.0)
+
+    def _signal(self, proc: Any, sig: int) -> None:
+        if isinstance(self.entrypoint, str) and proc._exitcode is None and proc.is_alive():
+            try:
+                os.killpg(proc.pid, sig)  # its own session: reach its children
+                return
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc._signal(sig)
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, Sequence[Any]],
+    envs: Mapping[int, Mapping[str, str]],
+    log_dir: str,
+    start_method: str = _launch.DEFAULT_START_METHOD,
+    redirects: Std | Mapping[int, Std] = Std.NONE,
+    tee: Std | Mapping[int, Std] = Std.NONE,
+    log_line_prefixes: Mapping[int, str] | None = None,
+) -> PContext:
+    """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
+
+    Args:
+        name: a short name, shown in tee'd lines as ``[{name}{rank}]:``.
+        entrypoint: a callable (``entrypoint(*args[rank])``) or a binary path
+            or name (``args[rank]`` converted with ``str()``).
+        args, envs: per rank, keyed exactly ``0..n-1``.
+        log_dir: an existing, empty directory (or ``os.devnull`` for no
+            files); each rank gets ``{rank}/stdout.log``, ``stderr.log`` and
+            ``error.json`` there, created 0600.
+        start_method: for function ranks; binaries always start from the
+            zygote, which adopts and kills what their children leave.
+        redirects: streams written to the rank's log file.
+        tee: streams written to the log file and shown on the console.
+        log_line_prefixes: per rank prefix in place of ``[{name}{rank}]:``.
+
+    Raises:
+        RuntimeError: ``args``/``envs`` keys are not ``0..n-1``, or
+            ``log_dir`` is not empty.
+        NotADirectoryError, FileNotFoundError: ``log_dir`` is a file or
+            missing.
+        FileNotFoundError, PermissionError: the binary cannot be found or run.
+    """
+    if log_dir != os.devnull and os.listdir(log_dir):
+        raise RuntimeError(f"log_dir: {log_dir} is not empty, please provide an empty log_dir")
+    nprocs = len(args)
+    _validate_full_rank(args, nprocs, "args")
+    _validate_full_rank(envs, nprocs, "envs")
+    if isinstance(redirects, str) or isinstance(tee, str):
+        raise TypeError("redirects and tee take Std values or maps; use Std.from_str for strings")
+    redirs = to_map(redirects, nprocs)
+    tees = to_map(tee, nprocs)
+    rank_envs = {rank: {k: str(v) for k, v in envs[rank].items()} for rank in range(nprocs)}
+    stdouts = dict.fromkeys(range(nprocs), "")
+    stderrs = dict.fromkeys(range(nprocs), "")
+    tee_out: dict[int, bool] = {}
+    tee_err: dict[int, bool] = {}
+    error_files: dict[int, str] = {}
+    for rank in range(nprocs):
+        tee_out[rank] = bool(tees[rank] & Std.OUT)
+        tee_err[rank] = bool(tees[rank] & Std.ERR)
+        if log_dir == os.devnull:
+            error_files[rank] = os.devnull
+            rank_envs[rank][ERROR_FILE_ENV] = ""
+            continue
+        rank_dir = os.path.join(log_dir, str(rank))
+        os.mkdir(rank_dir, 0o700)
+        wanted = redirs[rank] | tees[rank]
+        if wanted & Std.OUT:
+            stdouts[rank] = os.path.join(rank_dir, "stdout.log")
+        if wanted & Std.ERR:
+            stderrs[rank] = os.path.join(rank_dir, "stderr.log")
+        error_files[rank] = os.path.join(rank_dir, "error.json")
+        rank_envs[rank][ERROR_FILE_ENV] = error_files[rank]
+    context = PContext(
+        name=name,
+        entrypoint=entrypoint,
+        args=args,
+        envs=rank_envs,
+        stdouts=stdouts,
+        stderrs=stderrs,
+        tee_stdouts=tee_out,
+        tee_stderrs=tee_err,
+        error_files=error_files,
+        start_method=start_method,
+        log_line_prefixes=log_line_prefixes,
+    )
+    try:
+        context.start()
+    except BaseException:
+        context.close()
+        raise
+    return context
+
+
+LogsSpec = Union[str, None]  # torch's newer API name, for annotations only
