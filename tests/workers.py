@@ -187,3 +187,25 @@ def torch_sum(rank: int) -> float:
     import torch
 
     return float(torch.tensor([1.0, 2.0, 3.0]).sum() + rank)
+
+
+def elastic_add(a: int, b: int) -> int:
+    print(f"out {a} {b}")
+    print(f"err {a} {b}", file=sys.stderr)
+    return a + b
+
+
+def elastic_raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def elastic_exit_zero() -> None:
+    sys.exit(0)
+
+
+def elastic_big(size: int) -> bytes:
+    return b"x" * size
+
+
+def elastic_env() -> str | None:
+    return os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -1,0 +1,267 @@
+"""fastspawn.elastic: SPEC.md section 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import workers
+from fastspawn import elastic
+from fastspawn.elastic import Std
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in
+             (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def empty(n: int) -> dict[int, dict[str, str]]:
+    return {rank: {} for rank in range(n)}
+
+
+def start(entrypoint, args, log_dir, **kwargs):
+    return elastic.start_processes(
+        name="trainer", entrypoint=entrypoint, args=args, envs=empty(len(args)),
+        log_dir=str(log_dir), **kwargs)
+
+
+# ------------------------------------------------------------------ Std
+
+
+@pytest.mark.parametrize("text, value", [
+    ("0", Std.NONE), ("1", Std.OUT), ("2", Std.ERR), ("3", Std.ALL),
+    ("0:1,1:2", {0: Std.OUT, 1: Std.ERR}), ("0:3", {0: Std.ALL}), ("12:1", {12: Std.OUT}),
+])
+def test_std_from_str(text, value):
+    assert Std.from_str(text) == value
+
+
+@pytest.mark.parametrize("text", ["0:1,", "11", "0:1,1", "1,0:1", "4", "", "a", "0:4"])
+def test_std_from_str_rejects(text):
+    with pytest.raises(ValueError, match="is not a Std spec"):
+        Std.from_str(text)
+
+
+def test_to_map():
+    assert elastic.to_map(Std.OUT, 3) == {0: Std.OUT, 1: Std.OUT, 2: Std.OUT}
+    assert elastic.to_map({1: Std.ERR}, 3) == {0: Std.NONE, 1: Std.ERR, 2: Std.NONE}
+
+
+# ------------------------------------------------------------- arguments
+
+
+def test_args_envs_must_cover_every_rank(tmp_path):
+    with pytest.raises(RuntimeError, match=r"args, local rank mapping mismatch, expected: \[0, 1\]"):
+        elastic.start_processes("t", workers.elastic_add, {0: (1, 2), 2: (3, 4)}, empty(2),
+                                str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"envs, local rank mapping mismatch"):
+        elastic.start_processes("t", workers.elastic_add, {0: (1, 2), 1: (3, 4)}, {0: {}},
+                                str(tmp_path))
+
+
+def test_log_dir_must_be_empty_directory(tmp_path):
+    (tmp_path / "junk").write_text("x")
+    with pytest.raises(RuntimeError, match="is not empty, please provide an empty log_dir"):
+        start(workers.elastic_add, {0: (1, 2)}, tmp_path)
+    with pytest.raises(NotADirectoryError):
+        start(workers.elastic_add, {0: (1, 2)}, tmp_path / "junk")
+    with pytest.raises(FileNotFoundError):
+        start(workers.elastic_add, {0: (1, 2)}, tmp_path / "missing")
+
+
+def test_missing_binary_fails_at_start(tmp_path):
+    with pytest.raises(FileNotFoundError, match="fs-no-such-binary"):
+        start("fs-no-such-binary", {0: ()}, tmp_path)
+    with pytest.raises(FileNotFoundError, match="/no/such/bin"):
+        elastic.start_processes("t", "/no/such/bin", {0: ()}, {0: {}}, os.devnull)
+
+
+def test_not_executable_binary(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    with pytest.raises(PermissionError, match="not an executable file"):
+        start(str(script), {0: ()}, logs)
+
+
+# ------------------------------------------------------------- functions
+
+
+def test_function_return_values_and_redirects(tmp_path):
+    ctx = start(workers.elastic_add, {0: (1, 2), 1: (3, 4)}, tmp_path, redirects=Std.ALL)
+    result = ctx.wait(timeout=60)
+    assert result is not None and not result.is_failed()
+    assert result.return_values == {0: 3, 1: 7}
+    assert result.stdouts == {r: str(tmp_path / str(r) / "stdout.log") for r in (0, 1)}
+    assert (tmp_path / "1" / "stdout.log").read_text() == "out 3 4\n"
+    assert (tmp_path / "1" / "stderr.log").read_text() == "err 3 4\n"
+    mode = stat.S_IMODE(os.stat(tmp_path / "1" / "stdout.log").st_mode)
+    assert mode == 0o600
+
+
+def test_function_large_return_value_and_exit_zero(tmp_path):
+    size = 10 * 1024 * 1024
+    ctx = start(workers.elastic_big, {0: (size,), 1: (size,)}, tmp_path)
+    result = ctx.wait(timeout=120)
+    assert result.return_values[1] == b"x" * size
+    ctx = elastic.start_processes("t", workers.elastic_exit_zero, {0: ()}, {0: {}}, os.devnull)
+    assert ctx.wait(timeout=60).return_values == {0: None}
+
+
+def test_error_file_env_per_rank(tmp_path):
+    ctx = start(workers.elastic_env, {0: (), 1: ()}, tmp_path)
+    assert ctx.wait(timeout=60).return_values == {
+        r: str(tmp_path / str(r) / "error.json") for r in (0, 1)}
+    ctx = elastic.start_processes("t", workers.elastic_env, {0: ()}, {0: {}}, os.devnull)
+    assert ctx.wait(timeout=60).return_values == {0: ""}
+
+
+def test_function_failure_writes_error_json(tmp_path):
+    ctx = start(workers.elastic_raise, {0: ("boom",)}, tmp_path)
+    result = ctx.wait(timeout=60)
+    failure = result.failures[0]
+    assert failure.exitcode == 1
+    assert failure.error_file == str(tmp_path / "0" / "error.json")
+    assert failure.message == "ValueError: boom"
+    data = json.loads((tmp_path / "0" / "error.json").read_text())
+    assert data["message"]["message"] == "ValueError: boom"
+    assert "Traceback" in data["message"]["extraInfo"]["py_callstack"]
+    assert int(data["message"]["extraInfo"]["timestamp"]) == failure.timestamp
+    assert failure.signal_name() == "<N/A>"
+    assert stat.S_IMODE(os.stat(failure.error_file).st_mode) == 0o600
+
+
+# --------------------------------------------------------------- binaries
+
+
+def test_binary_ranks_with_redirect_and_tee(tmp_path, capfd):
+    ctx = start("/bin/sh", {0: ("-c", "echo a0; echo b0; echo e0 >&2"),
+                            1: ("-c", "echo a1; echo b1")},
+                tmp_path, redirects={0: Std.ERR}, tee={0: Std.OUT, 1: Std.OUT})
+    result = ctx.wait(timeout=60)
+    assert result is not None and not result.is_failed()
+    assert result.return_values == {0: None, 1: None}
+    out = capfd.readouterr().out
+    lines = out.splitlines()
+    assert [l for l in lines if l.startswith("[trainer0]:")] == ["[trainer0]:a0", "[trainer0]:b0"]
+    assert [l for l in lines if l.startswith("[trainer1]:")] == ["[trainer1]:a1", "[trainer1]:b1"]
+    assert (tmp_path / "0" / "stdout.log").read_text() == "a0\nb0\n"
+    assert (tmp_path / "0" / "stderr.log").read_text() == "e0\n"
+    assert result.stderrs[1] == ""
+
+
+def test_binary_args_are_converted_with_str(tmp_path):
+    ctx = start("/bin/echo", {0: (1, [2, 3], 4.5)}, tmp_path, redirects=Std.OUT)
+    ctx.wait(timeout=60)
+    assert (tmp_path / "0" / "stdout.log").read_text() == "1 [2, 3] 4.5\n"
+
+
+def test_binary_exit_138(tmp_path):
+    ctx = start("/bin/sh", {0: ("-c", "exit 138")}, tmp_path)
+    result = ctx.wait(timeout=60)
+    failure = result.failures[0]
+    assert failure.exitcode == 138
+    assert failure.error_file == "<N/A>"
+    assert failure.error_file_data == {"message": "<NONE>"}
+    assert failure.message.startswith("<NONE>")
+    assert failure.signal_name() == "<N/A>"
+
+
+def test_binary_killed_by_sigsegv_keeps_last_lines(tmp_path, capfd):
+    ctx = start("/bin/sh", {0: ("-c", "echo last words; kill -SEGV $$")}, tmp_path, tee=Std.ALL)
+    result = ctx.wait(timeout=60)
+    failure = result.failures[0]
+    assert failure.exitcode == -signal.SIGSEGV
+    assert failure.signal_name() == "SIGSEGV"
+    assert failure.message == f"Signal 11 (SIGSEGV) received by PID {failure.pid}"
+    assert "[trainer0]:last words" in capfd.readouterr().out
+    assert (tmp_path / "0" / "stdout.log").read_text() == "last words\n"
+
+
+def test_wait_timeout_and_close_reaches_grandchildren(tmp_path):
+    ctx = start("/bin/sh", {0: ("-c", f"sleep 600 & echo $! > {tmp_path}/child; wait")},
+                tmp_path)
+    assert ctx.wait(timeout=0) is None
+    assert ctx.wait(timeout=0.2) is None
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "child").read_text())
+    (rank_pid,) = ctx.pids().values()
+    assert not gone(grandchild)
+    ctx.close(signal.SIGTERM, timeout=10)
+    deadline = time.monotonic() + 10
+    while not (gone(grandchild) and gone(rank_pid)):
+        assert time.monotonic() < deadline, "close() missed the rank's child"
+        time.sleep(0.05)
+
+
+def test_signal_exception_handlers(tmp_path):
+    ctx = start("/bin/sleep", {0: ("600",)}, tmp_path)
+    try:
+        with pytest.raises(elastic.SignalException) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert info.value.sigval == signal.SIGTERM
+        assert str(info.value) == f"Process {os.getpid()} got signal: {signal.SIGTERM}"
+    finally:
+        ctx.close(signal.SIGKILL, timeout=10)
+
+
+def test_sigkill_of_parent_kills_ranks_and_their_children(tmp_path):
+    driver_code = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from fastspawn import elastic
+        d = sys.argv[1]
+        ctx = elastic.start_processes(
+            "t", "/bin/sh",
+            {{r: ("-c", "sleep 600 & echo $$ $! > " + d + "/pids." + str(r) + "; wait")
+              for r in range(4)}},
+            {{r: {{}} for r in range(4)}}, os.devnull)
+        print("started", flush=True)
+        ctx.wait()
+        """
+    )
+    driver = subprocess.Popen([sys.executable, "-c", driver_code, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 30
+        pids = []
+        while len(pids) < 8:
+            assert time.monotonic() < deadline
+            pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+            time.sleep(0.05)
+        assert not any(gone(pid) for pid in pids)
+    finally:
+        driver.kill()
+        driver.wait(timeout=30)
+        driver.stdout.close()
+    time.sleep(1.0)
+    alive = [pid for pid in pids if not gone(pid)]
+    assert alive == [], f"alive 1 s after SIGKILL of the launcher: {alive}"
