@@ -1,0 +1,200 @@
+"""fastspawn run: the env contract, exit codes, Ctrl-C, restarts, Slurm."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from fastspawn import _cli
+
+ENV_NAMES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def fastspawn_run(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fastspawn", "run", *args],
+                          capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def script(tmp_path, body: str) -> str:
+    path = tmp_path / "prog.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_help_is_clear():
+    done = fastspawn_run("--help")
+    assert done.returncode == 0
+    for word in ["--nprocs-per-node", "--max-restarts", "--tee", "RANK", "LOCAL_RANK",
+                 "MASTER_PORT", "SLURM_NNODES", "Exit status"]:
+        assert word in done.stdout
+
+
+def test_env_contract(tmp_path):
+    prog = script(tmp_path, f"""
+        import os
+        print(" ".join(os.environ[k] for k in {ENV_NAMES!r}))
+    """)
+    done = fastspawn_run("--nprocs-per-node", "3", "--tee", "1", prog)
+    assert done.returncode == 0, done.stderr
+    rows = sorted(line.split(":", 1)[1].split() for line in done.stdout.splitlines())
+    ports = {row[6] for row in rows}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    assert [row[:6] + row[7:] for row in rows] == [
+        [str(r), str(r), "3", "3", "0", "127.0.0.1", "0"] for r in range(3)]
+
+
+def test_env_contract_multi_node_flags(tmp_path):
+    prog = script(tmp_path, f"""
+        import os
+        print(" ".join(os.environ[k] for k in {ENV_NAMES!r}))
+    """)
+    done = fastspawn_run("--nprocs-per-node", "2", "--nnodes", "3", "--node-rank", "2",
+                         "--master-addr", "10.1.2.3", "--master-port", "29511", "--tee", "1", prog)
+    assert done.returncode == 0, done.stderr
+    rows = sorted(line.split(":", 1)[1].split() for line in done.stdout.splitlines())
+    assert rows == [["4", "0", "6", "2", "2", "10.1.2.3", "29511", "0"],
+                    ["5", "1", "6", "2", "2", "10.1.2.3", "29511", "0"]]
+    assert done.stdout.startswith("[prog.py") and "[prog.py4]:" in done.stdout
+
+
+def test_exit_code_is_first_failure(tmp_path):
+    done = fastspawn_run("--nprocs-per-node", "2", "--", "/bin/sh", "-c",
+                         'if [ "$LOCAL_RANK" = 1 ]; then exit 7; fi; sleep 30')
+    assert done.returncode == 7
+    assert "fastspawn run: rank 1 (local rank 1, pid " in done.stderr
+    assert "failed with exit code 7" in done.stderr
+
+
+def test_exit_code_for_signal(tmp_path):
+    done = fastspawn_run("--nprocs-per-node", "1", "--", "/bin/sh", "-c", "kill -SEGV $$")
+    assert done.returncode == 128 + signal.SIGSEGV
+    assert "killed by signal SIGSEGV" in done.stderr
+
+
+def test_missing_program():
+    done = fastspawn_run("--nprocs-per-node", "1", "fs-no-such-program")
+    assert done.returncode == 127
+    assert "cannot start 'fs-no-such-program'" in done.stderr
+
+
+def test_bad_flags_are_clear():
+    done = fastspawn_run("--nprocs-per-node", "0", "x")
+    assert done.returncode == 2 and "must be at least 1" in done.stderr
+    done = fastspawn_run("--nprocs-per-node", "1", "--tee", "11", "x")
+    assert done.returncode == 2 and "is not a Std spec" in done.stderr
+    done = fastspawn_run("--nprocs-per-node", "1", "--nnodes", "2", "--node-rank", "2", "x")
+    assert done.returncode != 0 and "is not below --nnodes" in done.stderr
+
+
+def test_restarts(tmp_path):
+    prog = script(tmp_path, """
+        import os, sys
+        sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+    """)
+    done = fastspawn_run("--nprocs-per-node", "2", "--max-restarts", "1",
+                         "--log-dir", str(tmp_path / "logs"), prog)
+    assert done.returncode == 0, done.stderr
+    assert "restarting the group (1/1)" in done.stderr
+    assert sorted(os.listdir(tmp_path / "logs")) == ["attempt_0", "attempt_1"]
+    done = fastspawn_run("--nprocs-per-node", "2", prog)
+    assert done.returncode == 3
+
+
+def test_redirects_write_log_files(tmp_path):
+    logs = tmp_path / "logs"
+    done = fastspawn_run("--nprocs-per-node", "2", "--redirects", "3", "--log-dir", str(logs),
+                         "--", "/bin/sh", "-c", 'echo "out $RANK"; echo "err $RANK" >&2')
+    assert done.returncode == 0, done.stderr
+    assert (logs / "attempt_0" / "1" / "stdout.log").read_text() == "out 1\n"
+    assert (logs / "attempt_0" / "0" / "stderr.log").read_text() == "err 0\n"
+    assert "out 1" not in done.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_every_rank(tmp_path, sig):
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", "3", "--", "/bin/sh", "-c",
+         f'sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait'],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        pids = []
+        while len(pids) < 6:
+            assert time.monotonic() < deadline
+            pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+            time.sleep(0.05)
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == 128 + sig
+    assert f"got {signal.Signals(sig).name}, stopping every rank" in err
+    deadline = time.monotonic() + 5
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "ranks or their children survived"
+        time.sleep(0.05)
+
+
+def test_slurm_node_list():
+    assert _cli.first_slurm_host("node[03-05,07],gpu1") == "node03"
+    assert _cli.first_slurm_host("gpu1,gpu2") == "gpu1"
+    assert _cli.first_slurm_host("host") == "host"
+
+
+def test_topology_from_slurm():
+    args = argparse.Namespace(nnodes=None, node_rank=None, master_addr=None, master_port=None)
+    env = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "cn[10-13]"}
+    assert _cli.topology(args, env) == (4, 2, "cn10", 29500)
+    args = argparse.Namespace(nnodes=2, node_rank=1, master_addr="a", master_port=1234)
+    assert _cli.topology(args, env) == (2, 1, "a", 1234)
+
+
+def test_two_nodes_form_one_gloo_group(tmp_path):
+    pytest.importorskip("torch.distributed")
+    prog = script(tmp_path, """
+        import os
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(os.environ["RANK"]) + 1])
+        dist.all_reduce(t)
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item()}")
+        dist.destroy_process_group()
+    """)
+    port = str(_cli.free_port())
+    common = ["--nnodes", "2", "--nprocs-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", port, "--tee", "1", prog]
+    nodes = [subprocess.Popen([sys.executable, "-m", "fastspawn", "run", "--node-rank", str(r),
+                               *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = []
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=180)
+            assert node.returncode == 0, err
+            outs.append(out)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    lines = sorted(line.split(":", 1)[1] for out in outs for line in out.splitlines())
+    assert lines == [f"rank {r} of 4 sum 10.0" for r in range(4)]
