@@ -1,0 +1,298 @@
+"""The zygote's performance goals, each measured as a ratio within one run.
+
+    python benchmarks/zygote_bench.py [--rounds R] [--scenarios a,b,...] [--json FILE]
+
+Scenarios (all by default):
+  start64   time from the call until all 64 ranks run a trivial fn: warm and
+            cold zygote against a bare os.fork() loop, multiprocessing spawn
+            and forkserver.  Rounds interleave the methods.
+  scaling   the same for the warm zygote and the bare fork loop at 64, 256 and
+            1024 ranks, plus the join of 1024 ranks that exit together (join
+            return minus the last rank's return).
+  failure   one rank fails among 256 (grace_period=0), once all are up: from
+            its failure to the exception in the caller, every other rank
+            reaped by then.
+  memory    summed USS (psutil) of 64 idle ranks: zygote workers (plus the
+            zygote itself) against multiprocessing spawn workers.
+  torch     64 ranks of a module that imports torch, end to end (call to join
+            returned): fastspawn with torch preloaded in the zygote against
+            torch.multiprocessing.spawn.  Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import struct
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import psutil  # noqa: E402
+import zygote_workers as zw  # noqa: E402
+
+import fastspawn  # noqa: E402
+from fastspawn import _launch  # noqa: E402
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "fastspawn": fastspawn.__version__,
+    }
+
+
+# ------------------------------------------------------------ launch methods
+
+
+def bare_fork(n: int) -> float:
+    """A bare os.fork() loop: each child writes its start time and exits."""
+    r, w = os.pipe()
+    t0 = time.monotonic()
+    pids = []
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, struct.pack("d", time.monotonic()))
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    return max(struct.unpack(f"{n}d", data)) - t0
+
+
+def zygote_warm(n: int) -> float:
+    _launch.get_server()
+    t0 = time.monotonic()
+    ctx = fastspawn.start_processes(zw.entry_time, nprocs=n, start_method="zygote")
+    return max(ctx.return_values.values()) - t0
+
+
+def zygote_cold(n: int) -> float:
+    fastspawn.stop_zygote()
+    t0 = time.monotonic()
+    ctx = fastspawn.start_processes(zw.entry_time, nprocs=n, start_method="zygote")
+    return max(ctx.return_values.values()) - t0
+
+
+def mp_method(method: str) -> Callable[[int], float]:
+    ctx = mp.get_context(method)
+
+    def run(n: int) -> float:
+        times = ctx.RawArray("d", n)
+        procs = [ctx.Process(target=zw.entry_time_to_array, args=(i, times)) for i in range(n)]
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        return max(times) - t0
+
+    return run
+
+
+def rounds_of(methods: dict[str, Callable[[int], float]], n: int, rounds: int) -> dict[str, list[float]]:
+    """Interleave the methods round by round, after one warm-up each."""
+    for fn in methods.values():
+        fn(min(n, 8))
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            samples[name].append(fn(n))
+            print(f"  {name:16} n={n:5} {samples[name][-1] * 1000:9.1f} ms", file=sys.stderr)
+    return samples
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def start64(rounds: int) -> dict[str, Any]:
+    methods = {
+        "bare fork loop": bare_fork,
+        "zygote warm": zygote_warm,
+        "zygote cold": zygote_cold,
+        "mp spawn": mp_method("spawn"),
+        "mp forkserver": mp_method("forkserver"),
+    }
+    samples = rounds_of(methods, 64, rounds)
+    m = {name: med(v) for name, v in samples.items()}
+    return {
+        "samples_s": samples,
+        "median_s": m,
+        "warm_vs_bare_fork": m["zygote warm"] / m["bare fork loop"],
+        "spawn_vs_warm": m["mp spawn"] / m["zygote warm"],
+        "forkserver_vs_warm": m["mp forkserver"] / m["zygote warm"],
+        "spawn_vs_cold": m["mp spawn"] / m["zygote cold"],
+    }
+
+
+def join_1024(rounds: int) -> list[float]:
+    _launch.get_server()
+    out = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        deadline = t0 + 3.0
+        ctx = fastspawn.start_processes(zw.exit_together, (deadline,), nprocs=1024)
+        joined = time.monotonic()
+        out.append(joined - max(ctx.return_values.values()))
+        print(f"  join 1024        {out[-1] * 1000:9.1f} ms", file=sys.stderr)
+    return out
+
+
+def scaling(rounds: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for n in (64, 256, 1024):
+        samples = rounds_of({"bare fork loop": bare_fork, "zygote warm": zygote_warm}, n, rounds)
+        result[str(n)] = {name: med(v) for name, v in samples.items()}
+        result[str(n)]["zygote per rank"] = result[str(n)]["zygote warm"] / n
+    result["join_1024_s"] = join_1024(rounds)
+    return result
+
+
+def failure(rounds: int) -> dict[str, Any]:
+    # 255 ranks get SIGTERM and SIGKILL logged; discard those records here.
+    logging.getLogger("fastspawn").addHandler(logging.NullHandler())
+    logging.getLogger("fastspawn").propagate = False
+    value = mp.get_context("spawn").Value("d", 0.0, lock=False)
+    out = []
+    for _ in range(rounds):
+        deadline = time.monotonic() + 2.0  # every rank is up by then
+        ctx = fastspawn.start_processes(
+            zw.fail_one, (200, deadline, value), nprocs=256, join=False
+        )
+        try:
+            while not ctx.join(grace_period=0):
+                pass
+        except fastspawn.ProcessRaisedException:
+            raised = time.monotonic()
+        else:
+            raise AssertionError("no failure seen")
+        assert all(p.exitcode is not None for p in ctx.processes)
+        out.append(raised - value.value)
+        print(f"  fail 1 of 256    {out[-1] * 1000:9.1f} ms", file=sys.stderr)
+    return {"samples_s": out, "median_s": med(out)}
+
+
+def _uss(pids: list[int]) -> int:
+    return sum(psutil.Process(pid).memory_full_info().uss for pid in pids)
+
+
+def memory(rounds: int) -> dict[str, Any]:
+    ctx_mp = mp.get_context("spawn")
+    n = 64
+    release = ctx_mp.Event()
+
+    def wait_until_idle(pids: list[int]) -> None:
+        # Up means: sleeping in release.wait (no CPU use for a while).
+        time.sleep(1.0)
+        deadline = time.monotonic() + 120
+        while any(psutil.Process(p).cpu_percent(0.2) > 1 for p in pids):
+            assert time.monotonic() < deadline
+
+    ctx = fastspawn.start_processes(zw.idle, (release,), nprocs=n, join=False)
+    wait_until_idle(ctx.pids())
+    zygote_pids, _ = _launch.helper_processes()
+    workers_uss = _uss(ctx.pids())
+    zygote_uss = _uss(list(zygote_pids))
+    release.set()
+    while not ctx.join():
+        pass
+    release.clear()
+    procs = [ctx_mp.Process(target=zw.idle, args=(i, release)) for i in range(n)]
+    for p in procs:
+        p.start()
+    wait_until_idle([p.pid for p in procs])
+    spawn_uss = _uss([p.pid for p in procs])
+    release.set()
+    for p in procs:
+        p.join()
+    return {
+        "zygote_workers_uss": workers_uss,
+        "zygote_itself_uss": zygote_uss,
+        "mp_spawn_workers_uss": spawn_uss,
+        "ratio_spawn_vs_zygote_total": spawn_uss / (workers_uss + zygote_uss),
+    }
+
+
+def torch_scenario(rounds: int) -> dict[str, Any]:
+    try:
+        import torch.multiprocessing as tmp
+    except ImportError:
+        return {"skipped": "torch is not installed"}
+    import torch_workers
+
+    fastspawn.preload(["torch"])
+    fastspawn.start_processes(torch_workers.entry_time, nprocs=1, preload=["torch"])  # warm
+    ours = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        fastspawn.spawn(torch_workers.entry_time, nprocs=64)
+        ours.append(time.monotonic() - t0)
+        print(f"  fastspawn torch  {ours[-1] * 1000:9.1f} ms", file=sys.stderr)
+    t0 = time.monotonic()
+    tmp.spawn(torch_workers.entry_time, nprocs=64)
+    theirs = time.monotonic() - t0
+    print(f"  torch mp.spawn   {theirs * 1000:9.1f} ms", file=sys.stderr)
+    return {
+        "fastspawn_s": ours,
+        "torch_spawn_s": theirs,
+        "ratio": theirs / med(ours),
+        "torch": __import__("torch").__version__,
+    }
+
+
+SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "start64": start64,
+    "scaling": scaling,
+    "failure": failure,
+    "memory": memory,
+    "torch": torch_scenario,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--json", help="write every sample and the machine here")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"machine": machine(), "rounds": args.rounds}
+    for name in args.scenarios.split(","):
+        print(f"{name}:", file=sys.stderr)
+        report[name] = SCENARIOS[name](args.rounds)
+    fastspawn.stop_zygote()
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
