@@ -153,6 +153,12 @@ class ProcessContext:
         """Wait up to ``timeout`` for every pending worker to exit."""
         deadline = time.monotonic() + timeout
         assert self._waiter is not None
+        # Workers reaped already (through their Process objects, or seen in
+        # the same wakeup as the failure) no longer poll through the waiter.
+        for rank, proc in list(self._pending.items()):
+            if proc._exitcode is not None:
+                del self._pending[rank]
+        self._reaped_elsewhere = []
         while self._pending:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import pickle
 import sys
+import time
 import types
 import warnings
 
@@ -247,3 +248,17 @@ def test_process_api(start_method):
 def test_daemon_flag_reaches_worker(start_method):
     ctx = start(workers.succeed, nprocs=1, daemon=True, start_method=start_method)
     assert ctx.return_values == {0: 0}
+
+
+def test_failure_after_processes_reaped_individually_does_not_stall(start_method):
+    ctx = start(workers.sleep_forever, nprocs=3, join=False, start_method=start_method)
+    for proc in ctx.processes:
+        proc.kill()
+    for proc in ctx.processes:
+        proc.join(timeout=30)
+    began = time.monotonic()
+    with pytest.raises(fastspawn.ProcessExitedException, match="SIGKILL"):
+        while not ctx.join(timeout=0):
+            pass
+    # The failure path must not wait for workers that are already reaped.
+    assert time.monotonic() - began < 10
