@@ -17,7 +17,8 @@ from fastspawn._errors import (
     ProcessExitedException,
     ProcessRaisedException,
 )
-from fastspawn._launch import preload, stop_server as stop_zygote
+from fastspawn._launch import preload
+from fastspawn._launch import stop_server as stop_zygote
 from fastspawn._process import Process
 from fastspawn._torch import patch_torch, unpatch_torch
 

@@ -24,11 +24,11 @@ HEADER = struct.Struct("<iBB")
 CHUNK = 32 * 1024
 LAST = 1
 
-RESULT = 1       # body: pickled return value
-ERROR = 2        # body: the worker's formatted traceback, UTF-8
+RESULT = 1  # body: pickled return value
+ERROR = 2  # body: the worker's formatted traceback, UTF-8
 UNPICKLABLE = 3  # body: why the return value could not be pickled, UTF-8
-EXIT = 4         # body: int32 (rank, exit status) pairs (server)
-PIDS = 5         # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
+EXIT = 4  # body: int32 (rank, exit status) pairs (server)
+PIDS = 5  # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
 LAUNCH_FAILED = 6  # body: the server's traceback, UTF-8 (rank -1)
 
 MAX_FDS = 250  # SCM_MAX_FD is 253 per message
@@ -105,7 +105,7 @@ class Receiver:
         self.sock.settimeout(timeout)
         try:
             return self._read_one()
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
         finally:
             self.sock.setblocking(False)

@@ -79,40 +79,89 @@ def _std(text: str) -> elastic.Std | dict[int, elastic.Std]:
 
 
 def run_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nprocs-per-node", "--nproc-per-node", type=_positive, required=True,
-                        metavar="N", help="ranks to start on this node")
-    parser.add_argument("--nnodes", type=_positive, default=None,
-                        help="number of nodes (default: SLURM_NNODES, else 1)")
-    parser.add_argument("--node-rank", type=_non_negative, default=None,
-                        help="this node's index (default: SLURM_NODEID, else 0)")
-    parser.add_argument("--master-addr", default=None,
-                        help="address of node 0 (default: Slurm's first host, else 127.0.0.1)")
-    parser.add_argument("--master-port", type=int, default=None,
-                        help="port on node 0 (default: a free port on one node, 29500 on several)")
-    parser.add_argument("--log-dir", default=None,
-                        help="empty directory for {attempt}/{rank}/stdout.log|stderr.log|error.json "
-                        "(default: a new private temporary directory when --redirects or --tee "
-                        "ask for files)")
-    parser.add_argument("--redirects", type=_std, default=elastic.Std.NONE, metavar="STD",
-                        help="streams to write to log files only: 0 none, 1 stdout, 2 stderr, "
-                        "3 both, or per rank like 0:3,1:1")
-    parser.add_argument("--tee", type=_std, default=elastic.Std.NONE, metavar="STD",
-                        help="streams to write to log files and show with a [name rank]: prefix")
-    parser.add_argument("--max-restarts", type=_non_negative, default=0, metavar="K",
-                        help="restart the whole group up to K times after a failure")
-    parser.add_argument("--name", default=None, help="prefix name for tee'd lines (default: program)")
+    parser.add_argument(
+        "--nprocs-per-node",
+        "--nproc-per-node",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="ranks to start on this node",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=_positive,
+        default=None,
+        help="number of nodes (default: SLURM_NNODES, else 1)",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=_non_negative,
+        default=None,
+        help="this node's index (default: SLURM_NODEID, else 0)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=None,
+        help="address of node 0 (default: Slurm's first host, else 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="port on node 0 (default: a free port on one node, 29500 on several)",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="empty directory for {attempt}/{rank}/stdout.log|stderr.log|error.json "
+        "(default: a new private temporary directory when --redirects or --tee "
+        "ask for files)",
+    )
+    parser.add_argument(
+        "--redirects",
+        type=_std,
+        default=elastic.Std.NONE,
+        metavar="STD",
+        help="streams to write to log files only: 0 none, 1 stdout, 2 stderr, "
+        "3 both, or per rank like 0:3,1:1",
+    )
+    parser.add_argument(
+        "--tee",
+        type=_std,
+        default=elastic.Std.NONE,
+        metavar="STD",
+        help="streams to write to log files and show with a [name rank]: prefix",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="K",
+        help="restart the whole group up to K times after a failure",
+    )
+    parser.add_argument(
+        "--name", default=None, help="prefix name for tee'd lines (default: program)"
+    )
     parser.add_argument("program", help="the program (a .py file runs under this Python)")
     parser.add_argument("program_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastspawn", description="fastspawn: orphan-safe, fast process launching.")
+    parser = argparse.ArgumentParser(
+        prog="fastspawn", description="fastspawn: orphan-safe, fast process launching."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run", help="start N ranks of a program", description=RUN_DESCRIPTION,
-                              epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = commands.add_parser(
+        "run",
+        help="start N ranks of a program",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run_parser(run)
-    bench = commands.add_parser("bench", help="measure launch overhead on this machine",
-                                add_help=False)
+    bench = commands.add_parser(
+        "bench", help="measure launch overhead on this machine", add_help=False
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
 
@@ -137,8 +186,9 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
     return nnodes, node_rank, addr, port
 
 
-def rank_envs(nprocs: int, nnodes: int, node_rank: int, addr: str, port: int, restart: int,
-              max_restarts: int) -> dict[int, dict[str, str]]:
+def rank_envs(
+    nprocs: int, nnodes: int, node_rank: int, addr: str, port: int, restart: int, max_restarts: int
+) -> dict[int, dict[str, str]]:
     envs = {}
     for local in range(nprocs):
         envs[local] = {
@@ -234,8 +284,10 @@ def run(args: argparse.Namespace) -> int:
         print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
         ctx.close(timeout=10)
         if attempt < args.max_restarts:
-            print(f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",
-                  file=sys.stderr)
+            print(
+                f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",
+                file=sys.stderr,
+            )
             continue
         return exit_code(failure.exitcode)
     return 1  # pragma: no cover - the loop always returns
@@ -246,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from fastspawn._bench import main as bench_main
 
-        return bench_main(argv[1:])
+        return int(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
     return run(args)
 

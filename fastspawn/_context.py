@@ -6,7 +6,6 @@ import atexit
 import logging
 import os
 import pickle
-import signal
 import time
 import warnings
 import weakref
@@ -29,7 +28,13 @@ ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 DEFAULT_START_METHOD = _launch.DEFAULT_START_METHOD
 
 # paddle.distributed.spawn options that it deprecated: accepted with a warning.
-_DEPRECATED_OPTIONS = ("selected_devices", "started_port", "cluster_node_ips", "node_ip", "use_paddlecloud")
+_DEPRECATED_OPTIONS = (
+    "selected_devices",
+    "started_port",
+    "cluster_node_ips",
+    "node_ip",
+    "use_paddlecloud",
+)
 
 _live_contexts: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
 
@@ -174,8 +179,8 @@ class ProcessContext:
                 if token == _CHANNEL:
                     self._drain()
                     continue
-                proc = self._pending.get(token)
-                if proc is not None and proc.exitcode is not None:
+                waited = self._pending.get(token)
+                if waited is not None and waited.exitcode is not None:
                     del self._pending[token]
 
     def _stop_all(self, grace_period: float | None) -> None:

@@ -9,6 +9,7 @@ starts workers from a pool thread that may exit right after).
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -16,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -77,7 +77,9 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return fn(*args, **kwargs)
     with _thread_lock:
         if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_launcher_loop, name="fastspawn-launcher", daemon=True)
+            _thread = threading.Thread(
+                target=_launcher_loop, name="fastspawn-launcher", daemon=True
+            )
             _thread.start()
     future: Future[T] = Future()
     _jobs.put((lambda: fn(*args, **kwargs), future))
@@ -275,7 +277,7 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
     stdio_fds: list[int] = []
     stdio_slots: list[tuple[int, int]] = []  # (rank, 1 or 2), one per fd
     for rank, pair in sorted(req.stdio.items()):
-        for stream, fd in zip((1, 2), pair):
+        for stream, fd in zip((1, 2), pair, strict=True):
             if fd >= 0:
                 stdio_slots.append((rank, stream))
                 stdio_fds.append(fd)
@@ -332,5 +334,3 @@ def helper_processes() -> tuple[set[int], set[int]]:
         return set(), set()
     fds = {server.control.fileno(), server.pidfd} - {-1}
     return {server.pid}, fds
-
-

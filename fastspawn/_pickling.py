@@ -51,7 +51,8 @@ def dumps(objects: Sequence[Any], collector: FdCollector) -> bytes:
     """Pickle ``objects`` one after the other into one buffer."""
     buf = io.BytesIO()
     previous = mp_context.get_spawning_popen()
-    mp_context.set_spawning_popen(collector)
+    # multiprocessing only duck-types this object (duplicate_for_child, DupFd).
+    mp_context.set_spawning_popen(collector)  # type: ignore[arg-type]
     try:
         for obj in objects:
             reduction.ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)

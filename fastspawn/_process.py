@@ -44,9 +44,7 @@ class Process:
     blocked sending a large result is never left waiting on us.
     """
 
-    def __init__(
-        self, rank: int, pid: int, pidfd: int, receiver: Receiver, is_child: bool
-    ) -> None:
+    def __init__(self, rank: int, pid: int, pidfd: int, receiver: Receiver, is_child: bool) -> None:
         self.rank = rank
         self.pid = pid
         self._pidfd = pidfd

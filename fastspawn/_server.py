@@ -142,7 +142,13 @@ class _Zygote:
         self.channels: dict[int, _Launch] = {}  # tx fd -> launch
 
     def own_fds(self) -> list[int]:
-        fixed = [self.control.fileno(), self.epoll.fileno(), self.parent_fd, self.wake_r, self.wake_w]
+        fixed = [
+            self.control.fileno(),
+            self.epoll.fileno(),
+            self.parent_fd,
+            self.wake_r,
+            self.wake_w,
+        ]
         return fixed + list(self.channels)
 
     def serve(self) -> None:
@@ -270,7 +276,7 @@ class _Zygote:
                 raise EOFError("the caller went away in the middle of a launch")
             fds.extend(more)
         stdio: dict[int, list[int]] = {}
-        for (rank, stream), fd in zip(slots, fds):
+        for (rank, stream), fd in zip(slots, fds, strict=True):
             stdio.setdefault(rank, [-1, -1])[stream - 1] = fd
         return stdio
 
@@ -450,7 +456,9 @@ class ServerClient:
         }
         # The authkey inside pickles only while "spawning", as for spawn.
         self.control.sendall(_pickling.dumps([hello], _pickling.FdCollector()))
-        self.watcher = threading.Thread(target=self._watch, name="fastspawn-zygote-watch", daemon=True)
+        self.watcher = threading.Thread(
+            target=self._watch, name="fastspawn-zygote-watch", daemon=True
+        )
         self.watcher.start()
 
     def _watch(self) -> None:
@@ -473,7 +481,9 @@ class ServerClient:
     def alive(self) -> bool:
         return os.getpid() == self.owner and not self.dead.is_set()
 
-    def send(self, message: Mapping[str, Any], fds: Sequence[int] = (), locked: bool = False) -> None:
+    def send(
+        self, message: Mapping[str, Any], fds: Sequence[int] = (), locked: bool = False
+    ) -> None:
         """Send one control message (``locked``: the caller holds ``lock``,
         to keep a launch and the messages that follow it together)."""
         data = pickle.dumps(dict(message), pickle.HIGHEST_PROTOCOL)

@@ -75,7 +75,7 @@ def _finish(code: int, run_atexit: bool) -> NoReturn:
     try:
         from multiprocessing import util
 
-        util._exit_function()
+        util._exit_function()  # type: ignore[attr-defined]
         threading._shutdown()  # type: ignore[attr-defined]
         if run_atexit:
             atexit._run_exitfuncs()
@@ -97,8 +97,8 @@ def _after_fork(rank: int, daemon: bool) -> None:
     """Reset the multiprocessing state a forked worker inherited."""
     from multiprocessing import process, util
 
-    util._finalizer_registry.clear()
-    util._run_after_forkers()
+    util._finalizer_registry.clear()  # type: ignore[attr-defined]
+    util._run_after_forkers()  # type: ignore[attr-defined]
     process._children = set()  # type: ignore[attr-defined]
     current = process.current_process()
     current._config["daemon"] = daemon  # type: ignore[attr-defined]
@@ -107,7 +107,7 @@ def _after_fork(rank: int, daemon: bool) -> None:
 
 def _redirect_stdio(stdio: Sequence[int]) -> None:
     """Point fds 1 and 2 at the given fds (-1: leave as is), flushing first."""
-    for target, fd in zip((1, 2), stdio):
+    for target, fd in zip((1, 2), stdio, strict=True):
         if fd >= 0 and fd != target:
             stream = sys.stdout if target == 1 else sys.stderr
             if stream is not None:
@@ -222,7 +222,7 @@ def spawn_main() -> NoReturn:
         # Every rank shares one payload file description, hence one offset:
         # read it with pread, never with read.
         with read_payload(payload_fd) as payload:
-            from multiprocessing import process, spawn
+            from multiprocessing import process
 
             if tracker_fd >= 0:
                 from multiprocessing import resource_tracker

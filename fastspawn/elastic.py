@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO
 
 from fastspawn import _context, _launch
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
@@ -219,7 +219,10 @@ class PContext:
         self._result: RunProcsResult | None = None
 
     def __repr__(self) -> str:
-        return f"<fastspawn.elastic.PContext name={self.name!r} nprocs={self.nprocs} pids={self.pids()}>"
+        return (
+            f"<fastspawn.elastic.PContext name={self.name!r} nprocs={self.nprocs} "
+            f"pids={self.pids()}>"
+        )
 
     # ------------------------------------------------------------- start
 
@@ -390,7 +393,9 @@ class PContext:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in procs:
             if proc.is_alive():
-                log.warning("rank %d (pid %d) ignored %s; sending SIGKILL", proc.rank, proc.pid, sig)
+                log.warning(
+                    "rank %d (pid %d) ignored %s; sending SIGKILL", proc.rank, proc.pid, sig
+                )
                 self._signal(proc, signal.SIGKILL)
         for proc in procs:
             proc.join()
@@ -496,5 +501,3 @@ def start_processes(
         raise
     return context
 
-
-LogsSpec = Union[str, None]  # torch's newer API name, for annotations only

@@ -11,9 +11,9 @@ import types
 import warnings
 
 import pytest
+import workers
 
 import fastspawn
-import workers
 
 
 def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
@@ -208,7 +208,9 @@ def test_spawn_with_spawn_method_execs_per_worker():
 
 def test_spawn_context_is_deprecated_alias():
     ctx = start(workers.succeed, nprocs=1, start_method="fork", join=False)
-    with pytest.warns(UserWarning, match="SpawnContext is renamed to ProcessContext since 1.4 release."):
+    with pytest.warns(
+        UserWarning, match="SpawnContext is renamed to ProcessContext since 1.4 release."
+    ):
         alias = fastspawn.SpawnContext(ctx.processes, ctx._receiver)
     assert isinstance(alias, fastspawn.ProcessContext)
     assert alias.join(timeout=30)

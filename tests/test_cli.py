@@ -15,8 +15,16 @@ import pytest
 
 from fastspawn import _cli
 
-ENV_NAMES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"]
+ENV_NAMES = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+]
 
 
 def gone(pid: int) -> bool:
@@ -27,8 +35,13 @@ def gone(pid: int) -> bool:
 
 
 def fastspawn_run(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fastspawn", "run", *args],
-                          capture_output=True, text=True, timeout=120, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "fastspawn", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
 
 
 def script(tmp_path, body: str) -> str:
@@ -40,42 +53,78 @@ def script(tmp_path, body: str) -> str:
 def test_help_is_clear():
     done = fastspawn_run("--help")
     assert done.returncode == 0
-    for word in ["--nprocs-per-node", "--max-restarts", "--tee", "RANK", "LOCAL_RANK",
-                 "MASTER_PORT", "SLURM_NNODES", "Exit status"]:
+    for word in [
+        "--nprocs-per-node",
+        "--max-restarts",
+        "--tee",
+        "RANK",
+        "LOCAL_RANK",
+        "MASTER_PORT",
+        "SLURM_NNODES",
+        "Exit status",
+    ]:
         assert word in done.stdout
 
 
 def test_env_contract(tmp_path):
-    prog = script(tmp_path, f"""
+    prog = script(
+        tmp_path,
+        f"""
         import os
         print(" ".join(os.environ[k] for k in {ENV_NAMES!r}))
-    """)
+    """,
+    )
     done = fastspawn_run("--nprocs-per-node", "3", "--tee", "1", prog)
     assert done.returncode == 0, done.stderr
     rows = sorted(line.split(":", 1)[1].split() for line in done.stdout.splitlines())
     ports = {row[6] for row in rows}
     assert len(ports) == 1 and int(ports.pop()) > 0
     assert [row[:6] + row[7:] for row in rows] == [
-        [str(r), str(r), "3", "3", "0", "127.0.0.1", "0"] for r in range(3)]
+        [str(r), str(r), "3", "3", "0", "127.0.0.1", "0"] for r in range(3)
+    ]
 
 
 def test_env_contract_multi_node_flags(tmp_path):
-    prog = script(tmp_path, f"""
+    prog = script(
+        tmp_path,
+        f"""
         import os
         print(" ".join(os.environ[k] for k in {ENV_NAMES!r}))
-    """)
-    done = fastspawn_run("--nprocs-per-node", "2", "--nnodes", "3", "--node-rank", "2",
-                         "--master-addr", "10.1.2.3", "--master-port", "29511", "--tee", "1", prog)
+    """,
+    )
+    done = fastspawn_run(
+        "--nprocs-per-node",
+        "2",
+        "--nnodes",
+        "3",
+        "--node-rank",
+        "2",
+        "--master-addr",
+        "10.1.2.3",
+        "--master-port",
+        "29511",
+        "--tee",
+        "1",
+        prog,
+    )
     assert done.returncode == 0, done.stderr
     rows = sorted(line.split(":", 1)[1].split() for line in done.stdout.splitlines())
-    assert rows == [["4", "0", "6", "2", "2", "10.1.2.3", "29511", "0"],
-                    ["5", "1", "6", "2", "2", "10.1.2.3", "29511", "0"]]
+    assert rows == [
+        ["4", "0", "6", "2", "2", "10.1.2.3", "29511", "0"],
+        ["5", "1", "6", "2", "2", "10.1.2.3", "29511", "0"],
+    ]
     assert done.stdout.startswith("[prog.py") and "[prog.py4]:" in done.stdout
 
 
 def test_exit_code_is_first_failure(tmp_path):
-    done = fastspawn_run("--nprocs-per-node", "2", "--", "/bin/sh", "-c",
-                         'if [ "$LOCAL_RANK" = 1 ]; then exit 7; fi; sleep 30')
+    done = fastspawn_run(
+        "--nprocs-per-node",
+        "2",
+        "--",
+        "/bin/sh",
+        "-c",
+        'if [ "$LOCAL_RANK" = 1 ]; then exit 7; fi; sleep 30',
+    )
     assert done.returncode == 7
     assert "fastspawn run: rank 1 (local rank 1, pid " in done.stderr
     assert "failed with exit code 7" in done.stderr
@@ -103,12 +152,16 @@ def test_bad_flags_are_clear():
 
 
 def test_restarts(tmp_path):
-    prog = script(tmp_path, """
+    prog = script(
+        tmp_path,
+        """
         import os, sys
         sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
-    """)
-    done = fastspawn_run("--nprocs-per-node", "2", "--max-restarts", "1",
-                         "--log-dir", str(tmp_path / "logs"), prog)
+    """,
+    )
+    done = fastspawn_run(
+        "--nprocs-per-node", "2", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), prog
+    )
     assert done.returncode == 0, done.stderr
     assert "restarting the group (1/1)" in done.stderr
     assert sorted(os.listdir(tmp_path / "logs")) == ["attempt_0", "attempt_1"]
@@ -118,8 +171,18 @@ def test_restarts(tmp_path):
 
 def test_redirects_write_log_files(tmp_path):
     logs = tmp_path / "logs"
-    done = fastspawn_run("--nprocs-per-node", "2", "--redirects", "3", "--log-dir", str(logs),
-                         "--", "/bin/sh", "-c", 'echo "out $RANK"; echo "err $RANK" >&2')
+    done = fastspawn_run(
+        "--nprocs-per-node",
+        "2",
+        "--redirects",
+        "3",
+        "--log-dir",
+        str(logs),
+        "--",
+        "/bin/sh",
+        "-c",
+        'echo "out $RANK"; echo "err $RANK" >&2',
+    )
     assert done.returncode == 0, done.stderr
     assert (logs / "attempt_0" / "1" / "stdout.log").read_text() == "out 1\n"
     assert (logs / "attempt_0" / "0" / "stderr.log").read_text() == "err 0\n"
@@ -129,9 +192,22 @@ def test_redirects_write_log_files(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_stops_every_rank(tmp_path, sig):
     run = subprocess.Popen(
-        [sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", "3", "--", "/bin/sh", "-c",
-         f'sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait'],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "fastspawn",
+            "run",
+            "--nprocs-per-node",
+            "3",
+            "--",
+            "/bin/sh",
+            "-c",
+            f"sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         pids = []
@@ -169,7 +245,9 @@ def test_topology_from_slurm():
 
 def test_two_nodes_form_one_gloo_group(tmp_path):
     pytest.importorskip("torch.distributed")
-    prog = script(tmp_path, """
+    prog = script(
+        tmp_path,
+        """
         import os
         import torch
         import torch.distributed as dist
@@ -178,13 +256,31 @@ def test_two_nodes_form_one_gloo_group(tmp_path):
         dist.all_reduce(t)
         print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item()}")
         dist.destroy_process_group()
-    """)
+    """,
+    )
     port = str(_cli.free_port())
-    common = ["--nnodes", "2", "--nprocs-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", port, "--tee", "1", prog]
-    nodes = [subprocess.Popen([sys.executable, "-m", "fastspawn", "run", "--node-rank", str(r),
-                               *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    common = [
+        "--nnodes",
+        "2",
+        "--nprocs-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--tee",
+        "1",
+        prog,
+    ]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fastspawn", "run", "--node-rank", str(r), *common],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = []
     try:
         for node in nodes:

@@ -133,11 +133,15 @@ def test_launch_redirects_env_cwd_and_closes_fds():
         script = (
             'echo "$FS_VAR $(pwd)"; '
             f'ls /proc/self/fd | sort -n | tr "\\n" " "; echo; '
-            f'echo kept > /proc/self/fd/{keep_w}'
+            f"echo kept > /proc/self/fd/{keep_w}"
         )
         pid, pidfd = _oscall.launch(
-            "/bin/sh", ["sh", "-c", script], {"FS_VAR": "hello", "PATH": os.defpath},
-            cwd="/", stdout=out_w, keep_fds=[keep_w],
+            "/bin/sh",
+            ["sh", "-c", script],
+            {"FS_VAR": "hello", "PATH": os.defpath},
+            cwd="/",
+            stdout=out_w,
+            keep_fds=[keep_w],
         )
         os.close(out_w)
         out_w = -1

@@ -13,8 +13,8 @@ import time
 
 import psutil
 import pytest
-
 import workers
+
 from fastspawn import elastic
 from fastspawn.elastic import Std
 
@@ -30,8 +30,10 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture(autouse=True)
 def restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in
-             (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    saved = {
+        sig: signal.getsignal(sig)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    }
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
@@ -43,17 +45,30 @@ def empty(n: int) -> dict[int, dict[str, str]]:
 
 def start(entrypoint, args, log_dir, **kwargs):
     return elastic.start_processes(
-        name="trainer", entrypoint=entrypoint, args=args, envs=empty(len(args)),
-        log_dir=str(log_dir), **kwargs)
+        name="trainer",
+        entrypoint=entrypoint,
+        args=args,
+        envs=empty(len(args)),
+        log_dir=str(log_dir),
+        **kwargs,
+    )
 
 
 # ------------------------------------------------------------------ Std
 
 
-@pytest.mark.parametrize("text, value", [
-    ("0", Std.NONE), ("1", Std.OUT), ("2", Std.ERR), ("3", Std.ALL),
-    ("0:1,1:2", {0: Std.OUT, 1: Std.ERR}), ("0:3", {0: Std.ALL}), ("12:1", {12: Std.OUT}),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("0", Std.NONE),
+        ("1", Std.OUT),
+        ("2", Std.ERR),
+        ("3", Std.ALL),
+        ("0:1,1:2", {0: Std.OUT, 1: Std.ERR}),
+        ("0:3", {0: Std.ALL}),
+        ("12:1", {12: Std.OUT}),
+    ],
+)
 def test_std_from_str(text, value):
     assert Std.from_str(text) == value
 
@@ -73,12 +88,16 @@ def test_to_map():
 
 
 def test_args_envs_must_cover_every_rank(tmp_path):
-    with pytest.raises(RuntimeError, match=r"args, local rank mapping mismatch, expected: \[0, 1\]"):
-        elastic.start_processes("t", workers.elastic_add, {0: (1, 2), 2: (3, 4)}, empty(2),
-                                str(tmp_path))
+    with pytest.raises(
+        RuntimeError, match=r"args, local rank mapping mismatch, expected: \[0, 1\]"
+    ):
+        elastic.start_processes(
+            "t", workers.elastic_add, {0: (1, 2), 2: (3, 4)}, empty(2), str(tmp_path)
+        )
     with pytest.raises(RuntimeError, match=r"envs, local rank mapping mismatch"):
-        elastic.start_processes("t", workers.elastic_add, {0: (1, 2), 1: (3, 4)}, {0: {}},
-                                str(tmp_path))
+        elastic.start_processes(
+            "t", workers.elastic_add, {0: (1, 2), 1: (3, 4)}, {0: {}}, str(tmp_path)
+        )
 
 
 def test_log_dir_must_be_empty_directory(tmp_path):
@@ -134,7 +153,8 @@ def test_function_large_return_value_and_exit_zero(tmp_path):
 def test_error_file_env_per_rank(tmp_path):
     ctx = start(workers.elastic_env, {0: (), 1: ()}, tmp_path)
     assert ctx.wait(timeout=60).return_values == {
-        r: str(tmp_path / str(r) / "error.json") for r in (0, 1)}
+        r: str(tmp_path / str(r) / "error.json") for r in (0, 1)
+    }
     ctx = elastic.start_processes("t", workers.elastic_env, {0: ()}, {0: {}}, os.devnull)
     assert ctx.wait(timeout=60).return_values == {0: ""}
 
@@ -158,16 +178,20 @@ def test_function_failure_writes_error_json(tmp_path):
 
 
 def test_binary_ranks_with_redirect_and_tee(tmp_path, capfd):
-    ctx = start("/bin/sh", {0: ("-c", "echo a0; echo b0; echo e0 >&2"),
-                            1: ("-c", "echo a1; echo b1")},
-                tmp_path, redirects={0: Std.ERR}, tee={0: Std.OUT, 1: Std.OUT})
+    ctx = start(
+        "/bin/sh",
+        {0: ("-c", "echo a0; echo b0; echo e0 >&2"), 1: ("-c", "echo a1; echo b1")},
+        tmp_path,
+        redirects={0: Std.ERR},
+        tee={0: Std.OUT, 1: Std.OUT},
+    )
     result = ctx.wait(timeout=60)
     assert result is not None and not result.is_failed()
     assert result.return_values == {0: None, 1: None}
     out = capfd.readouterr().out
     lines = out.splitlines()
-    assert [l for l in lines if l.startswith("[trainer0]:")] == ["[trainer0]:a0", "[trainer0]:b0"]
-    assert [l for l in lines if l.startswith("[trainer1]:")] == ["[trainer1]:a1", "[trainer1]:b1"]
+    assert [x for x in lines if x.startswith("[trainer0]:")] == ["[trainer0]:a0", "[trainer0]:b0"]
+    assert [x for x in lines if x.startswith("[trainer1]:")] == ["[trainer1]:a1", "[trainer1]:b1"]
     assert (tmp_path / "0" / "stdout.log").read_text() == "a0\nb0\n"
     assert (tmp_path / "0" / "stderr.log").read_text() == "e0\n"
     assert result.stderrs[1] == ""
@@ -202,8 +226,7 @@ def test_binary_killed_by_sigsegv_keeps_last_lines(tmp_path, capfd):
 
 
 def test_wait_timeout_and_close_reaches_grandchildren(tmp_path):
-    ctx = start("/bin/sh", {0: ("-c", f"sleep 600 & echo $! > {tmp_path}/child; wait")},
-                tmp_path)
+    ctx = start("/bin/sh", {0: ("-c", f"sleep 600 & echo $! > {tmp_path}/child; wait")}, tmp_path)
     assert ctx.wait(timeout=0) is None
     assert ctx.wait(timeout=0.2) is None
     deadline = time.monotonic() + 30
@@ -234,21 +257,22 @@ def test_signal_exception_handlers(tmp_path):
 
 def test_sigkill_of_parent_kills_ranks_and_their_children(tmp_path):
     driver_code = textwrap.dedent(
-        f"""
+        """
         import os, sys, time
         from fastspawn import elastic
         d = sys.argv[1]
         ctx = elastic.start_processes(
             "t", "/bin/sh",
-            {{r: ("-c", "sleep 600 & echo $$ $! > " + d + "/pids." + str(r) + "; wait")
-              for r in range(4)}},
-            {{r: {{}} for r in range(4)}}, os.devnull)
+            {r: ("-c", "sleep 600 & echo $$ $! > " + d + "/pids." + str(r) + "; wait")
+              for r in range(4)},
+            {r: {} for r in range(4)}, os.devnull)
         print("started", flush=True)
         ctx.wait()
         """
     )
-    driver = subprocess.Popen([sys.executable, "-c", driver_code, str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", driver_code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert driver.stdout.readline().strip() == "started"
         deadline = time.monotonic() + 30

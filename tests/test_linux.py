@@ -17,9 +17,9 @@ from multiprocessing import shared_memory
 
 import psutil
 import pytest
+import workers
 
 import fastspawn
-import workers
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SPAWN_CTX = multiprocessing.get_context("spawn")
@@ -135,8 +135,9 @@ def test_workers_survive_launching_thread_exit(start_method):
     box = {}
 
     def launch() -> None:
-        box["ctx"] = start(workers.sleep_for, (3.0,), nprocs=2, join=False,
-                           start_method=start_method)
+        box["ctx"] = start(
+            workers.sleep_for, (3.0,), nprocs=2, join=False, start_method=start_method
+        )
 
     thread = threading.Thread(target=launch)
     thread.start()
@@ -156,9 +157,7 @@ def test_checkpoint_client_pattern():
     (torch's checkpoint_process.py), then killed."""
     parent_end, child_end = SPAWN_CTX.Pipe()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        ctx = pool.submit(
-            fastspawn.spawn, workers.echo_pipe, (child_end,), 1, False, True
-        ).result()
+        ctx = pool.submit(fastspawn.spawn, workers.echo_pipe, (child_end,), 1, False, True).result()
     child_end.close()
     parent_end.send("ping")
     assert parent_end.poll(60)
@@ -229,8 +228,9 @@ def test_no_temp_files_left(start_method):
     with pytest.raises(fastspawn.ProcessRaisedException):
         start(workers.raise_on, (0, 0.0), nprocs=2, start_method=start_method)
     start(workers.succeed, nprocs=2, start_method=start_method)
-    new = {name for name in set(os.listdir(tmp)) - before if "fastspawn" in name or
-           "pytorch" in name}
+    new = {
+        name for name in set(os.listdir(tmp)) - before if "fastspawn" in name or "pytorch" in name
+    }
     assert new == set()
 
 
@@ -251,8 +251,13 @@ def test_pipe_argument(start_method):
 def test_queue_arguments(start_method):
     inbox, outbox = SPAWN_CTX.Queue(), SPAWN_CTX.Queue()
     try:
-        ctx = start(workers.queue_roundtrip, (inbox, outbox), nprocs=2, join=False,
-                    start_method=start_method)
+        ctx = start(
+            workers.queue_roundtrip,
+            (inbox, outbox),
+            nprocs=2,
+            join=False,
+            start_method=start_method,
+        )
         inbox.put("a")
         inbox.put("b")
         got = [outbox.get(timeout=60), outbox.get(timeout=60)]
@@ -279,8 +284,13 @@ def test_sync_primitive_arguments(start_method, sync_objects):
     event, value, lock, barrier = sync_objects
     event.clear()
     value.value = 0
-    ctx = start(workers.set_event_and_value, (event, value, lock, barrier), nprocs=3,
-                join=False, start_method=start_method)
+    ctx = start(
+        workers.set_event_and_value,
+        (event, value, lock, barrier),
+        nprocs=3,
+        join=False,
+        start_method=start_method,
+    )
     deadline = time.monotonic() + 60
     while not ctx.join(timeout=5):
         assert time.monotonic() < deadline

@@ -14,9 +14,9 @@ import time
 
 import psutil
 import pytest
+import workers
 
 import fastspawn
-import workers
 
 SPAWN_CTX = multiprocessing.get_context("spawn")
 
@@ -74,8 +74,10 @@ def test_exception_all(start_method):
         start(workers.raise_after_random_sleep, nprocs=2, start_method=start_method)
     message = str(info.value).rstrip("\n")
     assert message.endswith(
-        ("\nValueError: legitimate exception from process 0",
-         "\nValueError: legitimate exception from process 1")
+        (
+            "\nValueError: legitimate exception from process 0",
+            "\nValueError: legitimate exception from process 1",
+        )
     )
 
 
@@ -138,8 +140,11 @@ def test_sigterm_from_outside_is_exited_exception(start_method):
 
 
 def test_signal_without_name(start_method):
-    number = next(n for n in range(signal.SIGRTMIN + 1, signal.SIGRTMAX) if
-                  n not in {s.value for s in signal.Signals})
+    number = next(
+        n
+        for n in range(signal.SIGRTMIN + 1, signal.SIGRTMAX)
+        if n not in {s.value for s in signal.Signals}
+    )
     with pytest.raises(fastspawn.ProcessExitedException) as info:
         start(workers.kill_self_with, (number,), nprocs=1, start_method=start_method)
     assert str(info.value) == f"process 0 terminated with signal <Unknown signal {number}>"
@@ -170,7 +175,11 @@ def test_exceptions_pickle_roundtrip():
         copy = pickle.loads(pickle.dumps(exc))
         assert type(copy) is type(exc)
         assert (copy.msg, copy.error_index, copy.error_pid, copy.pid) == (
-            exc.msg, exc.error_index, exc.error_pid, exc.pid)
+            exc.msg,
+            exc.error_index,
+            exc.error_pid,
+            exc.pid,
+        )
         assert str(copy) == str(exc)
     copy = pickle.loads(pickle.dumps(exited))
     assert (copy.exit_code, copy.signal_name) == (-6, "SIGABRT")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import workers
 
 import fastspawn
-import workers
 
 torch_mp = pytest.importorskip("torch.multiprocessing")
 

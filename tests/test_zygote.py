@@ -14,10 +14,10 @@ import time
 
 import psutil
 import pytest
+import workers
 
 import fastspawn
 from fastspawn import _launch, _server
-import workers
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

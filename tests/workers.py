@@ -78,9 +78,7 @@ def sleep_forever(rank: int) -> None:
 
 def nested(rank: int, start_method: str, queue: Any) -> None:
     """Start two grandchildren, report their pids, then die by SIGTERM."""
-    ctx = fastspawn.start_processes(
-        sleep_forever, nprocs=2, join=False, start_method=start_method
-    )
+    ctx = fastspawn.start_processes(sleep_forever, nprocs=2, join=False, start_method=start_method)
     queue.put(ctx.pids())
     time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGTERM)

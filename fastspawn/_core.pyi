@@ -1,0 +1,5 @@
+# The cffi extension built from csrc/ (see csrc/build.py); typed loosely.
+from typing import Any
+
+ffi: Any
+lib: Any
