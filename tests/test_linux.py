@@ -277,16 +277,23 @@ def sync_objects():
     # Module scope: Value and Barrier live in multiprocessing's shared heap,
     # whose arena fds stay open for the life of the process by design.  They
     # are made before the leak fixture takes its baseline.
-    return SPAWN_CTX.Event(), SPAWN_CTX.Value("i", 0), SPAWN_CTX.Lock(), SPAWN_CTX.Barrier(3)
+    return (
+        SPAWN_CTX.Event(),
+        SPAWN_CTX.Value("i", 0),
+        SPAWN_CTX.Lock(),
+        SPAWN_CTX.Barrier(3),
+        SPAWN_CTX.Array("i", 3),
+    )
 
 
 def test_sync_primitive_arguments(start_method, sync_objects):
-    event, value, lock, barrier = sync_objects
+    event, value, lock, barrier, array = sync_objects
     event.clear()
     value.value = 0
+    array[:] = [0, 0, 0]
     ctx = start(
         workers.set_event_and_value,
-        (event, value, lock, barrier),
+        (event, value, lock, barrier, array),
         nprocs=3,
         join=False,
         start_method=start_method,
@@ -296,6 +303,7 @@ def test_sync_primitive_arguments(start_method, sync_objects):
         assert time.monotonic() < deadline
     assert event.is_set()
     assert value.value == 1 + 2 + 3
+    assert array[:] == [10, 20, 30]
 
 
 def test_shared_memory_argument(start_method):

@@ -120,10 +120,13 @@ def queue_roundtrip(rank: int, inbox: Any, outbox: Any) -> None:
     outbox.put((rank, inbox.get(timeout=30)))
 
 
-def set_event_and_value(rank: int, event: Any, value: Any, lock: Any, barrier: Any) -> None:
+def set_event_and_value(
+    rank: int, event: Any, value: Any, lock: Any, barrier: Any, array: Any
+) -> None:
     barrier.wait(timeout=30)
     with lock:
         value.value += rank + 1
+    array[rank] = 10 * (rank + 1)
     event.set()
 
 
