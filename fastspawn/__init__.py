@@ -3,39 +3,79 @@
 A drop-in for ``torch.multiprocessing``'s ``spawn`` / ``start_processes`` /
 ``ProcessContext``, built on pidfds, PR_SET_PDEATHSIG with its race check and
 one epoll waiter per job.
+
+The public names load on first use (PEP 562): a spawned worker imports
+``fastspawn._worker`` on every start, and must not pay for the launcher side.
 """
 
-from fastspawn._context import (
-    ENV_VAR_PARALLEL_START,
-    ProcessContext,
-    SpawnContext,
-    spawn,
-    start_processes,
-)
-from fastspawn._errors import (
-    ProcessException,
-    ProcessExitedException,
-    ProcessRaisedException,
-)
-from fastspawn._launch import preload
-from fastspawn._launch import stop_server as stop_zygote
-from fastspawn._process import Process
-from fastspawn._torch import patch_torch, unpatch_torch
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    "ENV_VAR_PARALLEL_START": "fastspawn._context",
+    "ProcessContext": "fastspawn._context",
+    "SpawnContext": "fastspawn._context",
+    "spawn": "fastspawn._context",
+    "start_processes": "fastspawn._context",
+    "ProcessException": "fastspawn._errors",
+    "ProcessExitedException": "fastspawn._errors",
+    "ProcessRaisedException": "fastspawn._errors",
+    "preload": "fastspawn._launch",
+    "stop_zygote": "fastspawn._launch",
+    "Process": "fastspawn._process",
+    "patch_torch": "fastspawn._torch",
+    "unpatch_torch": "fastspawn._torch",
+}
+_RENAMED = {"stop_zygote": "stop_server"}
 
 __all__ = [
     "ENV_VAR_PARALLEL_START",
     "Process",
-    "patch_torch",
-    "unpatch_torch",
-    "preload",
-    "stop_zygote",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
     "SpawnContext",
+    "patch_torch",
+    "preload",
     "spawn",
     "start_processes",
+    "stop_zygote",
+    "unpatch_torch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastspawn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+if TYPE_CHECKING:
+    from fastspawn._context import (
+        ENV_VAR_PARALLEL_START,
+        ProcessContext,
+        SpawnContext,
+        spawn,
+        start_processes,
+    )
+    from fastspawn._errors import (
+        ProcessException,
+        ProcessExitedException,
+        ProcessRaisedException,
+    )
+    from fastspawn._launch import preload
+    from fastspawn._launch import stop_server as stop_zygote
+    from fastspawn._process import Process
+    from fastspawn._torch import patch_torch, unpatch_torch

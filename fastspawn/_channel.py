@@ -18,7 +18,6 @@ import array
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
 
 HEADER = struct.Struct("<iBB")
 CHUNK = 32 * 1024
@@ -63,18 +62,22 @@ def unpack_statuses(body: bytes) -> list[int]:
     return values.tolist()
 
 
-@dataclass
 class Reports:
-    """What the caller has read so far from one launch's channel."""
+    """What the caller has read so far from one launch's channel.
 
-    results: dict[int, bytes] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    unpicklable: dict[int, str] = field(default_factory=dict)
-    exits: dict[int, int] = field(default_factory=dict)
-    pids: dict[int, tuple[int, int]] = field(default_factory=dict)  # rank -> (pid, pidfd)
-    launch_failed: str | None = None
-    eof: bool = False
-    _partial: dict[tuple[int, int], list[bytes]] = field(default_factory=dict)
+    (A plain class: workers import this module, and dataclasses costs them
+    milliseconds at every start.)
+    """
+
+    def __init__(self) -> None:
+        self.results: dict[int, bytes] = {}
+        self.errors: dict[int, str] = {}
+        self.unpicklable: dict[int, str] = {}
+        self.exits: dict[int, int] = {}
+        self.pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd)
+        self.launch_failed: str | None = None
+        self.eof = False
+        self._partial: dict[tuple[int, int], list[bytes]] = {}
 
 
 class Receiver:
