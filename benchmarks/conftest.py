@@ -6,7 +6,7 @@ Loaded only when pytest is pointed at benchmarks/ (testpaths is tests/).
 from __future__ import annotations
 
 import pytest
-from launch_timing import Result, machine, table
+from launch_timing import Result, describe_machine, table
 
 _RESULTS = pytest.StashKey[list[Result]]()
 
@@ -23,10 +23,6 @@ def pytest_terminal_summary(
     results = config.stash.get(_RESULTS, [])
     if not results:
         return
-    info = machine()
     terminalreporter.write_sep("=", "launch latency medians (ms)")
-    terminalreporter.write_line(
-        f"CPU: {info['cpu']}; cores: {info['cores']}; kernel: {info['kernel']}; "
-        f"Python {info['python']}"
-    )
+    terminalreporter.write_line(describe_machine())
     terminalreporter.write_line(table(results))

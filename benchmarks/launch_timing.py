@@ -41,11 +41,11 @@ START_METHODS = ("spawn", "fork", "forkserver")
 NPROCS = (1, 8, 64)
 LAUNCHERS = ("fastspawn", "multiprocessing")
 # Rounds per nprocs: enough for stable medians on a noisy 2-core machine,
-# with the whole run under ~4 minutes (a 64-rank spawn round takes ~7 s).
-DEFAULT_ROUNDS = {1: 20, 8: 20, 64: 7}
+# with the whole run under ~4 minutes (a 64-rank spawn round takes ~10 s).
+DEFAULT_ROUNDS = {1: 15, 8: 15, 64: 5}
 # Deadline margin = startup estimate * MARGIN_FACTOR + MARGIN_EXTRA (seconds).
-MARGIN_FACTOR = 1.5
-MARGIN_EXTRA = 0.2
+MARGIN_FACTOR = 2.0
+MARGIN_EXTRA = 0.3
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,22 @@ def machine() -> dict[str, str]:
     }
 
 
+def fastspawn_origin() -> str:
+    """Where fastspawn is imported from: the installed tree or a snapshot
+    put first on PYTHONPATH (see README.md)."""
+    import fastspawn
+
+    return os.path.dirname(fastspawn.__file__ or "?")
+
+
+def describe_machine() -> str:
+    info = machine()
+    return (
+        f"CPU: {info['cpu']}; cores: {info['cores']}; kernel: {info['kernel']}; "
+        f"Python {info['python']}; fastspawn from {fastspawn_origin()}"
+    )
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
@@ -252,12 +268,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", help="also write every sample to this file")
     opts = parser.parse_args(argv)
 
-    info = machine()
-    print(
-        f"CPU: {info['cpu']}; cores: {info['cores']}; kernel: {info['kernel']}; "
-        f"Python {info['python']}",
-        flush=True,
-    )
+    print(describe_machine(), flush=True)
     results = []
     started = time.monotonic()
     for method in opts.methods:
@@ -278,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(table(results))
     if opts.json:
         with open(opts.json, "w") as f:
+            info = {**machine(), "fastspawn": fastspawn_origin()}
             json.dump({"machine": info, "results": [r.to_json() for r in results]}, f, indent=1)
 
 
