@@ -33,7 +33,7 @@ START_METHODS = ("zygote", "spawn", "fork", "forkserver")
 SPAWN_LIKE = ("zygote", "spawn", "forkserver")
 DEFAULT_START_METHOD = "zygote"
 
-_SPAWN_ENTRY = "from fastspawn._worker import spawn_main; spawn_main()"
+_SPAWN_ENTRY = _worker.entry_code("fastspawn._worker.spawn_main")
 
 
 @dataclass

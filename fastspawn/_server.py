@@ -47,7 +47,7 @@ from fastspawn import _channel, _oscall, _pickling, _worker
 
 log = logging.getLogger(__name__)
 
-_ENTRY = "from fastspawn._server import main; main()"
+_ENTRY = _worker.entry_code("fastspawn._server.main")
 _MAX_HEADER = 1 << 20
 
 

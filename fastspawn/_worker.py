@@ -27,6 +27,23 @@ from fastspawn import _channel, _oscall, _pickling
 # Raised SystemExit codes that are not ints print and exit 1, as Python does.
 
 
+def entry_code(call: str) -> str:
+    """``python -c`` code that imports this very fastspawn, then runs ``call``.
+
+    ``-c`` puts the current directory first on sys.path: run from a source
+    checkout (a ``fastspawn/`` folder without its built extension), the child
+    would import that instead of the installed package.  The caller's package
+    directory goes first instead; the caller's full sys.path follows later,
+    when the child prepares like a spawn child.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    module, _, function = call.rpartition(".")
+    return (
+        f"import sys; sys.path[:1] = [{root!r}] + [p for p in sys.path[:1] if p]; "
+        f"from {module} import {function}; {function}()"
+    )
+
+
 def _exit_code(exc: SystemExit) -> int:
     code = exc.code
     if code is None:

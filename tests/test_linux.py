@@ -314,3 +314,37 @@ def test_shared_memory_argument(start_method):
     finally:
         shm.close()
         shm.unlink()
+
+
+@pytest.mark.parametrize("method", ["spawn", "zygote"])
+def test_workers_ignore_a_fastspawn_folder_in_the_cwd(tmp_path, method):
+    """A checkout's fastspawn/ (no built extension) in the cwd must not shadow
+    the fastspawn the caller imported: `python -c` children put the cwd first."""
+    decoy = tmp_path / "decoy" / "fastspawn"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy was imported')\n")
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import fastspawn
+
+            def work(rank):
+                return rank
+
+            if __name__ == "__main__":
+                ctx = fastspawn.start_processes(work, nprocs=2, start_method={method!r})
+                print(sorted(ctx.return_values.items()))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path / "decoy",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(0, 0), (1, 1)]"
