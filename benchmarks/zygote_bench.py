@@ -8,7 +8,8 @@ Scenarios (all by default):
             and forkserver.  Rounds interleave the methods.
   scaling   the same for the warm zygote and the bare fork loop at 64, 256 and
             1024 ranks, plus the join of 1024 ranks that exit together (join
-            return minus the last rank's return).
+            return minus the last rank's return), and the same split at the
+            last exit seen on the ranks' pidfds.
   failure   one rank fails among 256 (grace_period=0), once all are up: from
             its failure to the exception in the caller, every other rank
             reaped by then.
@@ -40,7 +41,7 @@ import psutil  # noqa: E402
 import zygote_workers as zw  # noqa: E402
 
 import fastspawn  # noqa: E402
-from fastspawn import _launch  # noqa: E402
+from fastspawn import _launch, _oscall  # noqa: E402
 
 
 def machine() -> dict[str, Any]:
@@ -153,6 +154,8 @@ def start64(rounds: int) -> dict[str, Any]:
 
 
 def join_1024(rounds: int) -> list[float]:
+    """Join return minus the last rank's return from fn: includes every
+    rank's exit path (result, exit handlers, kernel teardown)."""
     _launch.get_server()
     out = []
     for _ in range(rounds):
@@ -165,6 +168,41 @@ def join_1024(rounds: int) -> list[float]:
     return out
 
 
+def join_after_exit_1024(rounds: int) -> list[tuple[float, float]]:
+    """Split the join of 1024 ranks at the last exit: watch every pidfd (and
+    drain the report channel) until all have polled readable, i.e. every rank
+    has exited, then run the context's join.  Returns, per round, (last
+    return from fn to last exit seen, last exit seen to join returned)."""
+    _launch.get_server()
+    out = []
+    for _ in range(rounds):
+        deadline = time.monotonic() + 3.0
+        ctx = fastspawn.start_processes(zw.exit_together, (deadline,), nprocs=1024, join=False)
+        waiter = _oscall.Waiter()
+        channel = 1 << 40
+        for proc in ctx.processes:
+            waiter.add(proc.sentinel, proc.rank)
+        waiter.add(ctx._receiver.fileno(), channel)
+        exited = 0
+        while exited < 1024:
+            for token in waiter.wait(None):
+                if token == channel:
+                    ctx._receiver.drain()  # a rank blocked sending cannot exit
+                    continue
+                waiter.remove(ctx.processes[token].sentinel)
+                exited += 1
+        last_exit = time.monotonic()
+        waiter.close()
+        while not ctx.join():
+            pass
+        joined = time.monotonic()
+        split = (last_exit - max(ctx.return_values.values()), joined - last_exit)
+        out.append(split)
+        print(f"  1024: return->exit {split[0] * 1000:7.1f} ms, exit->join "
+              f"{split[1] * 1000:7.1f} ms", file=sys.stderr)
+    return out
+
+
 def scaling(rounds: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for n in (64, 256, 1024):
@@ -172,6 +210,7 @@ def scaling(rounds: int) -> dict[str, Any]:
         result[str(n)] = {name: med(v) for name, v in samples.items()}
         result[str(n)]["zygote per rank"] = result[str(n)]["zygote warm"] / n
     result["join_1024_s"] = join_1024(rounds)
+    result["join_1024_split_s"] = join_after_exit_1024(rounds)
     return result
 
 

@@ -184,6 +184,8 @@ def forked_child(
         else:
             assert fn is not None
             code = run(rank, fn, args, tx)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
         traceback.print_exc()
     _finish(code, run_atexit=False)
@@ -257,6 +259,8 @@ def spawn_main() -> NoReturn:
                 for fd in _pickling.inherited_fds:
                     os.close(fd)  # the unpickled objects hold their own dups
                 code = run(rank, fn, args, tx)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
         traceback.print_exc()
     _finish(code, run_atexit=True)
