@@ -186,13 +186,15 @@ class ProcessContext:
     def _stop_all(self, grace_period: float | None) -> None:
         if grace_period is not None:
             self._wait_all(grace_period)
+        # running(), not is_alive(): the latter would wait for the exit status
+        # of each worker that just died, one after the other.
         for proc in list(self._pending.values()):
-            if proc.is_alive():
+            if proc.running():
                 log.warning("Terminating process %s via signal SIGTERM", proc.pid)
                 proc.terminate()
         self._wait_all(30 if grace_period is None else grace_period)
         for proc in list(self._pending.values()):
-            if proc.is_alive():
+            if proc.running():
                 log.warning(
                     "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL",
                     proc.pid,

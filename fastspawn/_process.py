@@ -79,6 +79,11 @@ class Process:
     def is_alive(self) -> bool:
         return self.exitcode is None
 
+    def running(self) -> bool:
+        """Whether the worker still runs, without waiting for (or collecting)
+        its exit status: what a stop loop over hundreds of workers needs."""
+        return self._exitcode is None and self._pidfd >= 0 and not self._exited()
+
     def _exited(self) -> bool:
         """Whether the pidfd polls readable (the worker is gone, maybe unreaped)."""
         return bool(wait_readable([self._pidfd], 0))
