@@ -109,42 +109,43 @@ class ProcessContext:
             self._finish()
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        error_rank = None
-        assert self._waiter is not None
-        while error_rank is None:
+        while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if self._reaped_elsewhere:
-                ready, self._reaped_elsewhere = self._reaped_elsewhere, []
-            else:
-                try:
-                    ready = self._waiter.wait(left)
-                except InterruptedError:
-                    ready = []  # a handler ran without raising: keep waiting
-            exited = False
-            for token in ready:
-                if token == _CHANNEL:
-                    self._drain()
-                    continue
-                proc = self._pending.get(token)
-                if proc is None or proc.exitcode is None:
-                    continue
-                exited = True
-                del self._pending[token]
-                if proc.exitcode != 0:
-                    error_rank = token
-                    break
-            if exited or error_rank is not None:
+            exited = self._collect(left)
+            if exited or (deadline is not None and time.monotonic() >= deadline):
                 break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-        if error_rank is None:
+        failed = next((proc for proc in exited if proc.exitcode != 0), None)
+        if failed is None:
             if self._pending:
                 return False
             self._finish()
             return True
         self._failed = True
         self._stop_all(grace_period)
-        raise self._exception(error_rank)
+        raise self._exception(failed.rank)
+
+    def _collect(self, timeout: float | None) -> list[Process]:
+        """Wait up to ``timeout`` for ready pidfds (one epoll_wait: O(ready),
+        not O(nprocs)); return the pending workers found exited, in the
+        order seen, and forget them.  Drains the report channel on the way."""
+        assert self._waiter is not None
+        if self._reaped_elsewhere:
+            ready, self._reaped_elsewhere = self._reaped_elsewhere, []
+        else:
+            try:
+                ready = self._waiter.wait(timeout)
+            except InterruptedError:
+                return []  # a signal handler ran without raising: keep waiting
+        exited = []
+        for token in ready:
+            if token == _CHANNEL:
+                self._drain()
+                continue
+            proc = self._pending.get(token)
+            if proc is not None and proc.exitcode is not None:
+                del self._pending[token]
+                exited.append(proc)
+        return exited
 
     def _drain(self) -> None:
         """Read the report channel; at its EOF stop watching it (an fd at EOF
@@ -157,7 +158,6 @@ class ProcessContext:
     def _wait_all(self, timeout: float) -> None:
         """Wait up to ``timeout`` for every pending worker to exit."""
         deadline = time.monotonic() + timeout
-        assert self._waiter is not None
         # Workers reaped already (through their Process objects, or seen in
         # the same wakeup as the failure) no longer poll through the waiter.
         for rank, proc in list(self._pending.items()):
@@ -168,20 +168,7 @@ class ProcessContext:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if self._reaped_elsewhere:
-                ready, self._reaped_elsewhere = self._reaped_elsewhere, []
-            else:
-                try:
-                    ready = self._waiter.wait(left)
-                except InterruptedError:
-                    continue
-            for token in ready:
-                if token == _CHANNEL:
-                    self._drain()
-                    continue
-                waited = self._pending.get(token)
-                if waited is not None and waited.exitcode is not None:
-                    del self._pending[token]
+            self._collect(left)
 
     def _stop_all(self, grace_period: float | None) -> None:
         if grace_period is not None:
