@@ -10,8 +10,8 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
+from helpers import gone
 
 from fastspawn import _cli
 
@@ -25,13 +25,6 @@ ENV_NAMES = [
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
 ]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def fastspawn_run(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:

@@ -11,21 +11,14 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 import workers
+from helpers import gone
 
 from fastspawn import elastic
 from fastspawn.elastic import Std
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.fixture(autouse=True)

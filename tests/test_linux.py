@@ -15,9 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 
-import psutil
 import pytest
 import workers
+from helpers import gone
 
 import fastspawn
 
@@ -27,13 +27,6 @@ SPAWN_CTX = multiprocessing.get_context("spawn")
 
 def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
     return fastspawn.start_processes(fn, args, nprocs=nprocs, start_method=start_method, **kwargs)
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def run_driver(code: str, *args: str) -> subprocess.Popen[str]:

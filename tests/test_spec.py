@@ -12,9 +12,9 @@ import signal
 import sys
 import time
 
-import psutil
 import pytest
 import workers
+from helpers import gone
 
 import fastspawn
 
@@ -23,13 +23,6 @@ SPAWN_CTX = multiprocessing.get_context("spawn")
 
 def start(fn, args=(), nprocs=2, start_method="spawn", **kwargs):
     return fastspawn.start_processes(fn, args, nprocs=nprocs, start_method=start_method, **kwargs)
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_success(start_method):

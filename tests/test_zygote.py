@@ -12,9 +12,9 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 import workers
+from helpers import gone
 
 import fastspawn
 from fastspawn import _launch, _server
@@ -41,13 +41,6 @@ else:
     print("returned", flush=True)
 time.sleep(600)
 """
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def start_driver() -> tuple[subprocess.Popen[str], int, list[int]]:
