@@ -247,6 +247,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
     elif log_dir is not None:
         os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        if os.listdir(log_dir):
+            print(
+                f"fastspawn run: --log-dir {log_dir} is not empty; give a new or empty "
+                "directory (each run writes attempt_N/ there)",
+                file=sys.stderr,
+            )
+            return 2
 
     for attempt in range(args.max_restarts + 1):
         attempt_dir = os.devnull

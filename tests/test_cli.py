@@ -287,3 +287,10 @@ def test_two_nodes_form_one_gloo_group(tmp_path):
                 node.communicate()
     lines = sorted(line.split(":", 1)[1] for out in outs for line in out.splitlines())
     assert lines == [f"rank {r} of 4 sum 10.0" for r in range(4)]
+
+
+def test_log_dir_must_be_empty(tmp_path):
+    (tmp_path / "old.log").write_text("x")
+    done = fastspawn_run("--nprocs-per-node", "1", "--log-dir", str(tmp_path), "/bin/true")
+    assert done.returncode == 2
+    assert "is not empty" in done.stderr
