@@ -6,6 +6,7 @@ import atexit
 import logging
 import os
 import pickle
+import signal
 import time
 import warnings
 import weakref
@@ -49,8 +50,11 @@ class ProcessContext:
         return_values: ``{rank: value}`` once every rank succeeded.
     """
 
-    def __init__(self, processes: list[Process], receiver: Receiver, daemon: bool = False) -> None:
+    def __init__(
+        self, processes: list[Process], receiver: Receiver, daemon: bool = False, group: int = 0
+    ) -> None:
         self.processes = processes
+        self._group = group  # process group of the workers (zygote), 0: none
         self.return_values: dict[int, Any] = {}
         self.daemon = daemon
         self._receiver = receiver
@@ -175,22 +179,36 @@ class ProcessContext:
             self._wait_all(grace_period)
         # running(), not is_alive(): the latter would wait for the exit status
         # of each worker that just died, one after the other.
-        for proc in list(self._pending.values()):
-            if proc.running():
-                log.warning("Terminating process %s via signal SIGTERM", proc.pid)
-                proc.terminate()
+        live = [proc for proc in self._pending.values() if proc.running()]
+        for proc in live:
+            log.warning("Terminating process %s via signal SIGTERM", proc.pid)
+        self._signal_all(live, signal.SIGTERM)
         self._wait_all(30 if grace_period is None else grace_period)
-        for proc in list(self._pending.values()):
-            if proc.running():
-                log.warning(
-                    "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL",
-                    proc.pid,
-                )
-                proc.kill()
+        live = [proc for proc in self._pending.values() if proc.running()]
+        for proc in live:
+            log.warning(
+                "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL",
+                proc.pid,
+            )
+        self._signal_all(live, signal.SIGKILL)
         for proc in list(self._pending.values()):
             proc.join()
         self._pending.clear()
         self._finish()
+
+    def _signal_all(self, procs: list[Process], sig: int) -> None:
+        """Signal ``procs``: with one killpg when the launch has its own process
+        group (a signal loop over hundreds of workers runs interleaved with
+        the kernel tearing down each victim), else one by one.  The group id
+        is safe to use while ``procs`` (members, still running) exist."""
+        if self._group and procs:
+            try:
+                os.killpg(self._group, sig)
+                return
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in procs:
+            proc._signal(sig)
 
     def _exception(self, rank: int) -> Exception:
         proc = self.processes[rank]
@@ -240,6 +258,7 @@ class ProcessContext:
         self._waiter.close()
         self._waiter = None
         self._receiver.close()
+        _launch.forget_group(self._group)
         _live_contexts.discard(self)
 
     def _shutdown_at_exit(self) -> None:
@@ -369,7 +388,7 @@ def launch_context(request: _launch.LaunchRequest) -> ProcessContext:
         Process(rank, pid, pidfd, receiver, is_child)
         for rank, (pid, pidfd, is_child) in enumerate(started)
     ]
-    return ProcessContext(processes, receiver, daemon=request.daemon)
+    return ProcessContext(processes, receiver, daemon=request.daemon, group=request.group)
 
 
 def start_processes(

@@ -48,6 +48,11 @@ class LaunchRequest:
     # rank -> (stdout fd, stderr fd) the worker gets as its fd 1 and 2
     # (-1: the caller's).  The caller keeps ownership of these fds.
     stdio: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # zygote: put the launch's workers in a process group of their own
+    # (binary ranks call setsid() instead, which a group leader cannot).
+    process_group: bool = True
+    # Set by the zygote launch: the process group of the workers (0: none).
+    group: int = 0
 
 
 Started = list[tuple[int, int, bool]]
@@ -272,6 +277,7 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         "cwd": os.getcwd(),
         "envs": {rank: dict(env) for rank, env in req.envs.items()},
         "tracker_index": tracker_index,
+        "process_group": req.process_group,
     }
     # Per-rank stdio fds follow the launch message, at most MAX_FDS a message.
     stdio_fds: list[int] = []
@@ -307,6 +313,10 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
             "guard is a common cause)"
         )
         raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
+    if req.process_group and started:
+        req.group = started[0][0]
+        with server.lock:
+            server.groups.add(req.group)
     return started
 
 
@@ -324,6 +334,14 @@ def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     if req.start_method in ("zygote", "forkserver"):
         return method(req, tx, rx)  # the zygote does the forking
     return on_launcher_thread(method, req, tx, rx)
+
+
+def forget_group(group: int) -> None:
+    """A launch's workers are all reaped: its group needs no cleanup now."""
+    server = _server
+    if server is not None and group:
+        with server.lock:
+            server.groups.discard(group)
 
 
 def helper_processes() -> tuple[set[int], set[int]]:

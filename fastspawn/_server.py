@@ -18,9 +18,11 @@ Orphan safety, as a chain with no gaps:
   zygote, re-checked after prctl;
 - the zygote is a child subreaper: a worker's orphaned children are
   reparented to it, and it kills them;
-- the zygote leads its own process group, which workers and their children
-  share: if the zygote itself is killed, the caller (whose unreaped child it
-  is, so the group id cannot be recycled) kills that group.
+- the workers of a launch share a process group led by rank 0, and so do
+  their children: the caller stops a launch with one killpg, and if the
+  zygote itself is killed, the caller kills every live launch's group (and
+  the zygote's own, whose id cannot be recycled while the zygote is its
+  unreaped child).
 
 The control channel is an inherited socketpair: there is no name to connect
 to.  Exit statuses go back on each launch's channel, sent without blocking
@@ -226,9 +228,16 @@ class _Zygote:
         # worker unblocks once its own dispositions are in place.
         signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
         try:
+            group = bool(header["process_group"])
+            leader = 0
             for rank in range(nprocs):
                 pid = os.fork()
                 if pid == 0:
+                    if group:
+                        # Rank 0 leads a new process group; the others join
+                        # it.  Set in both processes, as shells do, so that
+                        # neither order of running leaves a gap.
+                        os.setpgid(0, leader)
                     _in_worker()
                     _worker.forked_child(
                         rank,
@@ -242,6 +251,12 @@ class _Zygote:
                         close_fds=close_fds,
                         stdio=stdio.get(rank),
                     )
+                if group:
+                    try:
+                        os.setpgid(pid, leader or pid)
+                    except (PermissionError, ProcessLookupError):
+                        pass  # it already did, and may have moved on
+                    leader = leader or pid
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)
         except BaseException:
@@ -450,6 +465,9 @@ class ServerClient:
         self.owner = os.getpid()
         self.lock = threading.Lock()
         self.dead = threading.Event()
+        # Process groups of launches whose workers may still run (pgid = the
+        # pid of their rank 0); added by the launcher, dropped when joined.
+        self.groups: set[int] = set()
         hello = {
             "preparation": spawn.get_preparation_data("fastspawn-zygote"),
             "preload": list(preload),
@@ -468,10 +486,13 @@ class ServerClient:
 
         while not wait_readable([self.pidfd], None):
             pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        with self.lock:
+            groups = [self.pid, *self.groups]
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             _oscall.pidfd_wait(self.pidfd, nohang=False)
         except ChildProcessError:
@@ -479,7 +500,16 @@ class ServerClient:
         self.dead.set()
 
     def alive(self) -> bool:
-        return os.getpid() == self.owner and not self.dead.is_set()
+        """Whether the zygote runs.  Its pidfd is checked directly: the
+        watcher thread may not have run yet since the zygote died."""
+        if os.getpid() != self.owner or self.dead.is_set():
+            return False
+        from fastspawn._process import wait_readable
+
+        if wait_readable([self.pidfd], 0):
+            self.dead.wait(10)  # let the watcher kill the groups and reap
+            return False
+        return True
 
     def send(
         self, message: Mapping[str, Any], fds: Sequence[int] = (), locked: bool = False

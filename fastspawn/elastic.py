@@ -309,6 +309,7 @@ class PContext:
             start_method=method,
             envs=self.envs,
             stdio=stdio,
+            process_group=not isinstance(self.entrypoint, str),
         )
 
     # -------------------------------------------------------------- wait
