@@ -1,0 +1,384 @@
+"""fastspawn bench: options, limits, the JSON schema, the outputs, Ctrl-C."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import fastspawn
+from fastspawn import _bench
+
+# Cheap methods for the CLI runs: no torch, nothing that needs a cold start.
+CHEAP = [
+    "fastspawn-zygote-warm",
+    "fastspawn-fork",
+    "mp-spawn",
+    "mp-fork",
+    "binary-fastspawn",
+    "binary-popen",
+]
+PYTHON_CHEAP = [m for m in CHEAP if not m.startswith("binary-")]
+
+
+def bench(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fastspawn", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def shadowing(tmp_path: Path, module: str) -> dict[str, str]:
+    """An environment in which ``import module`` fails, as if not installed."""
+    package = tmp_path / "shadow" / module
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"raise ImportError('no {module} in this test')\n")
+    return {**os.environ, "PYTHONPATH": str(tmp_path / "shadow")}
+
+
+# ---------------------------------------------------------- JSON validator
+
+_KEYWORDS = {"type", "enum", "minimum", "required", "properties", "additionalProperties", "items"}
+
+
+def _is(value: Any, name: str) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    types = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+    return isinstance(value, types[name])
+
+
+def validate(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
+    """Errors of ``value`` against the JSON-Schema subset that SCHEMA uses."""
+    kinds = schema.get("type")
+    if kinds is not None:
+        names = [kinds] if isinstance(kinds, str) else kinds
+        if not any(_is(value, name) for name in names):
+            return [f"{path}: {value!r:.60} is not {' or '.join(names)}"]
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if "minimum" in schema and _is(value, "number") and value < schema["minimum"]:
+        errors.append(f"{path}: {value} is below {schema['minimum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                errors.append(f"{path}: {key!r} is missing")
+        properties = schema.get("properties", {})
+        for key, item in value.items():
+            if key in properties:
+                errors += validate(item, properties[key], f"{path}.{key}")
+            elif schema.get("additionalProperties", True) is False:
+                errors.append(f"{path}: unexpected key {key!r}")
+    if isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            errors += validate(item, schema["items"], f"{path}[{index}]")
+    return errors
+
+
+def _keywords(schema: Any) -> set[str]:
+    """Every keyword SCHEMA uses (property names excluded)."""
+    if not isinstance(schema, dict):
+        return set()
+    found = set(schema)
+    for sub in schema.get("properties", {}).values():
+        found |= _keywords(sub)
+    found |= _keywords(schema.get("items"))
+    return found
+
+
+def test_the_validator_knows_every_keyword_of_the_schema():
+    assert _keywords(_bench.SCHEMA) <= _KEYWORDS
+
+
+def test_the_validator_rejects_what_it_should():
+    schema = _bench.SCHEMA["properties"]["rounds"]["items"]
+    good = _bench.new_record("mp-fork", 2, 0, "launch")
+    assert validate(good, schema) == []
+    assert validate({**good, "method": "mp-vfork"}, schema)
+    assert validate({**good, "nprocs": 0}, schema)
+    assert validate({**good, "running_s": "fast"}, schema)
+    assert validate({**good, "extra": 1}, schema)
+    assert validate({k: v for k, v in good.items() if k != "kind"}, schema)
+    assert validate({**good, "rank_entry_s": [0.1, None]}, schema)
+
+
+# ----------------------------------------------------------------- the CLI
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """One tiny sweep shared by the table and JSON tests: (stdout, document)."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    done = bench(
+        "--methods", ",".join(CHEAP), "--nprocs", "1,2", "--repeat", "1", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout, json.loads(out.read_text())
+
+
+def test_table_has_every_method_and_the_ratio_column(tiny_sweep):
+    table, _ = tiny_sweep
+    for method in CHEAP:
+        assert method in table
+    assert "nprocs=1" in table and "nprocs=2" in table
+    header = next(line for line in table.splitlines() if line.startswith("method "))
+    for title in ("created", "all running", "vs mp-spawn", "exit->joined", "failure->reaped"):
+        assert title in header
+    assert "vs binary-popen" in table
+    spawn_rows = [line for line in table.splitlines() if line.startswith("mp-spawn ")]
+    assert len(spawn_rows) == 2 and all("1.00x" in row for row in spawn_rows)
+    fork_row = next(line for line in table.splitlines() if line.startswith("mp-fork "))
+    assert any(token.endswith("x") for token in fork_row.split())  # its ratio
+    assert "machine:" in table
+
+
+def test_json_follows_the_documented_schema(tiny_sweep):
+    _, document = tiny_sweep
+    assert validate(document, _bench.SCHEMA) == []
+    assert document["machine"]["fastspawn"] == fastspawn.__version__
+    assert document["machine"]["cpu"]
+    assert document["config"]["methods"] == CHEAP
+    assert document["config"]["nprocs"] == [1, 2]
+    rounds = document["rounds"]
+    # Python methods: a launch and a failure round per nprocs; binaries: a launch.
+    assert len(rounds) == 2 * (2 * len(PYTHON_CHEAP) + 2)
+    for record in rounds:
+        if record["kind"] == "failure":
+            assert record["failure_s"] > 0
+        elif record["method"].startswith("binary-"):
+            assert record["reaped_s"] >= record["created_s"] > 0
+        else:
+            assert len(record["rank_entry_s"]) == record["nprocs"]
+            assert record["running_s"] == max(record["rank_entry_s"])
+            assert record["joined_s"] > 0
+            assert record["uss_bytes"] > 0
+    ratios = {
+        (s["method"], s["nprocs"]): s["ratio"]
+        for s in document["summary"]
+        if s["phase"] == "running"
+    }
+    assert ratios[("mp-spawn", 1)] == ratios[("mp-spawn", 2)] == 1.0
+    assert all(ratios[(m, n)] > 0 for m in PYTHON_CHEAP for n in (1, 2))
+
+
+def test_plot_draws_a_png(tmp_path):
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed (pip install 'fastspawn[plot]')")
+    png = tmp_path / "bench.png"
+    done = bench(
+        "--methods", "fastspawn-zygote-warm,mp-fork,binary-popen",
+        "--nprocs", "1,2", "--repeat", "1", "--plot", str(png),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
+    png = tmp_path / "bench.png"
+    done = bench("--methods", "mp-fork", "--plot", str(png), env=shadowing(tmp_path, "matplotlib"))
+    assert done.returncode == 2
+    assert "matplotlib" in done.stderr and "fastspawn[plot]" in done.stderr
+    assert done.stdout == "" and not png.exists()
+
+
+def test_help_is_clear():
+    done = bench("--help")
+    assert done.returncode == 0
+    words = ["all running", "failure->reaped", "USS", "--import", "--payload-bytes", "--json"]
+    words += ["--plot", "matplotlib", "RLIMIT_NPROC", "Exit status", "130"]
+    for word in [*_bench.ALL_METHODS, *words]:
+        assert word in done.stdout, word
+
+
+def test_unknown_method_lists_the_valid_ones():
+    done = bench("--methods", "mp-spawn,mp-vfork")
+    assert done.returncode == 2
+    assert "'mp-vfork'" in done.stderr
+    for method in _bench.ALL_METHODS:
+        assert method in done.stderr
+    assert done.stdout == ""
+
+
+def test_torch_spawn_without_torch_says_so(tmp_path):
+    done = bench("--methods", "torch-spawn", env=shadowing(tmp_path, "torch"))
+    assert done.returncode == 2
+    assert "torch-spawn needs torch" in done.stderr
+
+
+def test_absurd_nprocs_is_refused_naming_the_limit():
+    done = bench("--methods", "mp-fork", "--nprocs", "1,100000000")
+    assert done.returncode == 2
+    assert "RLIMIT_" in done.stderr and "lower --nprocs" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("limit", "nprocs", "name"),
+    [
+        (resource.RLIMIT_NPROC, "5000", "RLIMIT_NPROC"),
+        (resource.RLIMIT_NOFILE, "300", "RLIMIT_NOFILE"),
+    ],
+)
+def test_real_limits_are_read(limit, nprocs, name):
+    low = 4000 if limit == resource.RLIMIT_NPROC else 256
+    hard = resource.getrlimit(limit)[1]
+    if hard != resource.RLIM_INFINITY and hard < low:
+        pytest.skip(f"the hard limit is already {hard}")
+
+    def lower() -> None:
+        resource.setrlimit(limit, (low, hard))
+
+    done = bench("--methods", "mp-fork", "--nprocs", nprocs, preexec_fn=lower)
+    assert done.returncode == 2
+    assert name in done.stderr
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_leaves_no_process_behind(sig, status):
+    methods = "fastspawn-zygote-warm,fastspawn-spawn,mp-forkserver,mp-spawn,binary-popen"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastspawn", "bench", "--methods", methods,
+         "--nprocs", "4", "--repeat", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        bench_proc = psutil.Process(proc.pid)
+        seen: dict[int, psutil.Process] = {}
+        start = time.monotonic()
+        # Mid-sweep: after the warm-up, with ranks and helpers around.
+        while time.monotonic() - start < 30 and (len(seen) < 8 or time.monotonic() - start < 1.5):
+            assert proc.poll() is None, proc.communicate()
+            for child in bench_proc.children(recursive=True):
+                seen.setdefault(child.pid, child)
+            time.sleep(0.02)
+        assert len(seen) >= 8
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == status, err
+    assert "every process it started is stopped and reaped" in err
+
+    def left() -> list[int]:
+        alive = []
+        for pid, child in seen.items():
+            try:
+                if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left() == []
+
+
+# -------------------------------------------------------------- the pieces
+
+
+def test_limit_problem_names_the_limit():
+    def problem(nprocs: int = 8, **kw: int) -> str | None:
+        limits = dict(
+            nproc_limit=1000, tasks_in_use=100, nofile_limit=1024, fds_open=10, report_ranks=50000
+        )
+        limits.update(kw)
+        return _bench.limit_problem(nprocs, 2, **limits)
+
+    assert problem() is None
+    assert "RLIMIT_NPROC" in problem(nprocs=950)
+    assert "ulimit -n" in problem(nprocs=600)
+    assert "RLIMIT_NOFILE" in problem(nprocs=600)
+    assert "report pipe" in problem(
+        nprocs=600, nofile_limit=10**6, nproc_limit=10**6, report_ranks=100
+    )
+    unlimited = resource.RLIM_INFINITY
+    assert problem(nprocs=5000, nproc_limit=unlimited, nofile_limit=unlimited) is None
+
+
+def test_methods_take_names_and_groups_in_a_fixed_order():
+    methods, notes = _bench.parse_methods("binary,mp-spawn,fastspawn-fork", None)
+    assert methods == [
+        "fastspawn-fork",
+        "mp-spawn",
+        "binary-fastspawn",
+        "binary-popen",
+        "binary-popen-pdeathsig",
+    ]
+    assert notes == []
+    everything, notes = _bench.parse_methods("all", "torch is not installed")
+    assert "torch-spawn" not in everything and len(everything) == len(_bench.ALL_METHODS) - 1
+    assert notes == ["torch-spawn left out: torch is not installed"]
+    with pytest.raises(_bench.UsageError, match="torch-spawn needs torch"):
+        _bench.parse_methods("torch", "torch is not installed")
+    with pytest.raises(_bench.UsageError, match="valid: fastspawn-zygote-warm"):
+        _bench.parse_methods("spawn", None)
+
+
+def test_sizes_and_nprocs_parse():
+    assert _bench.parse_size("4096") == 4096
+    assert _bench.parse_size("64K") == 65536
+    assert _bench.parse_size("1MiB") == 1 << 20
+    assert _bench.parse_nprocs("64,1,8,8") == [1, 8, 64]
+    for bad in ("0", "1,,x", ""):
+        with pytest.raises(_bench.UsageError):
+            _bench.parse_nprocs(bad)
+    with pytest.raises(_bench.UsageError):
+        _bench.parse_size("lots")
+
+
+def test_quantile_and_summary():
+    assert _bench.quantile([3.0], 0.9) == 3.0
+    assert _bench.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert _bench.quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
+    records = []
+    for method, running in (("mp-spawn", [0.2, 0.1, 0.3]), ("mp-fork", [0.03, 0.01, 0.02])):
+        for round_no, value in enumerate(running):
+            record = _bench.new_record(method, 8, round_no, "launch")
+            record["running_s"] = value
+            records.append(record)
+    summary = _bench.summarize(records, ["mp-spawn", "mp-fork"])
+    fork = next(s for s in summary if s["method"] == "mp-fork")
+    assert fork["median"] == 0.02 and fork["min"] == 0.01
+    assert fork["p90"] == pytest.approx(0.028)
+    assert fork["ratio"] == pytest.approx(0.1) and fork["baseline"] == "mp-spawn"
+    table = _bench.format_table(
+        summary,
+        ["mp-spawn", "mp-fork"],
+        3,
+        {"cpu": "X", "cores": 2, "usable_cores": 2, "kernel": "6", "python": "3", "fastspawn": "0"},
+    )
+    assert "20.0 (10.0-28.0)" in table and "0.10x" in table and "1.00x" in table
+
+
+def test_the_rank_module_imports_nothing_heavy():
+    # Spawn-like ranks import fastspawn._bench to find their fn: it must not
+    # make them pay for the bench's own imports.
+    code = (
+        "import sys, fastspawn._bench; "
+        "print(sorted({'argparse', 'json', 'dataclasses', 'psutil', 'tempfile', 'subprocess', "
+        "'fastspawn._launch', 'fastspawn._context', 'multiprocessing'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
