@@ -74,14 +74,19 @@ def test_parent_dead_before_prctl_is_detected():
                 "-c",
                 textwrap.dedent(
                     """
-                    import os, sys
+                    import os, select, sys
                     from fastspawn import _oscall
                     out = int(sys.argv[1])
-                    go_r, go_w = os.pipe()
                     parent = os.getpid()
+                    ready_r, ready_w = os.pipe()
                     if os.fork() == 0:
-                        os.close(go_w)
-                        os.read(go_r, 1)          # EOF: the parent is gone
+                        # The parent's pidfd polls readable once it has exited
+                        # and its children were reparented (an fd EOF comes
+                        # earlier, while the parent is still mid-exit).
+                        watch = select.poll()
+                        watch.register(os.pidfd_open(parent), select.POLLIN)
+                        os.write(ready_w, b"x")
+                        watch.poll()
                         try:
                             _oscall.set_pdeathsig(9, parent)
                         except ProcessLookupError:
@@ -89,6 +94,7 @@ def test_parent_dead_before_prctl_is_detected():
                             os._exit(0)
                         os.write(out, b"missed")
                         os._exit(1)
+                    os.read(ready_r, 1)           # the child watches us now
                     os._exit(0)                   # die before the child's prctl
                     """
                 ),
