@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import psutil
 
 
@@ -12,3 +15,18 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def kill_driver(driver: subprocess.Popen[str]) -> None:
+    """SIGKILL a driver process of ours, reap it, close its stdout pipe."""
+    driver.kill()
+    driver.wait(timeout=30)
+    if driver.stdout is not None:
+        driver.stdout.close()
+
+
+def alive_after(pids: list[int], seconds: float = 1.0) -> list[int]:
+    """The ``pids`` still alive ``seconds`` from now (the bound is the
+    behaviour under test: a kill must land that fast)."""
+    time.sleep(seconds)
+    return [pid for pid in pids if not gone(pid)]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import workers
-from helpers import gone
+from helpers import alive_after, gone, kill_driver
 
 from fastspawn import elastic
 from fastspawn.elastic import Std
@@ -276,9 +276,6 @@ def test_sigkill_of_parent_kills_ranks_and_their_children(tmp_path):
             time.sleep(0.05)
         assert not any(gone(pid) for pid in pids)
     finally:
-        driver.kill()
-        driver.wait(timeout=30)
-        driver.stdout.close()
-    time.sleep(1.0)
-    alive = [pid for pid in pids if not gone(pid)]
+        kill_driver(driver)
+    alive = alive_after(pids)
     assert alive == [], f"alive 1 s after SIGKILL of the launcher: {alive}"

@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 
 import pytest
 import workers
-from helpers import gone
+from helpers import alive_after, gone, kill_driver
 
 import fastspawn
 
@@ -56,11 +56,8 @@ def test_sigkill_of_parent_kills_every_worker(start_method):
         assert len(pids) == 8
         assert not any(gone(pid) for pid in pids)
     finally:
-        driver.kill()
-        driver.wait(timeout=30)
-        driver.stdout.close()
-    time.sleep(1.0)
-    alive = [pid for pid in pids if not gone(pid)]
+        kill_driver(driver)
+    alive = alive_after(pids)
     assert alive == [], f"workers alive 1 s after SIGKILL of their parent: {alive}"
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import workers
-from helpers import gone
+from helpers import alive_after, gone, kill_driver
 
 import fastspawn
 from fastspawn import _launch, _server
@@ -55,18 +55,10 @@ def start_driver() -> tuple[subprocess.Popen[str], int, list[int]]:
     return driver, zygote, pids
 
 
-def stop_driver(driver: subprocess.Popen[str]) -> None:
-    driver.kill()
-    driver.wait(timeout=30)
-    assert driver.stdout is not None
-    driver.stdout.close()
-
-
 def test_sigkill_of_caller_kills_workers_and_their_children():
     driver, zygote, pids = start_driver()
-    stop_driver(driver)
-    time.sleep(1.0)
-    alive = [pid for pid in pids + [zygote] if not gone(pid)]
+    kill_driver(driver)
+    alive = alive_after(pids + [zygote])
     assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
 
 
@@ -74,14 +66,13 @@ def test_sigkill_of_zygote_kills_workers_and_their_children():
     driver, zygote, pids = start_driver()
     try:
         os.kill(zygote, signal.SIGKILL)
-        time.sleep(1.0)
-        alive = [pid for pid in pids if not gone(pid)]
+        alive = alive_after(pids)
         assert alive == [], f"alive 1 s after SIGKILL of the zygote: {alive}"
         assert driver.stdout is not None
         line = driver.stdout.readline()  # the caller raised rather than hung
         assert line.startswith("raised ProcessExitedException"), line
     finally:
-        stop_driver(driver)
+        kill_driver(driver)
 
 
 def test_caller_sees_zygote_death_and_recovers(caplog):
