@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from fastspawn import _channel, _oscall, _pickling, _worker
 from fastspawn._channel import Receiver
+from fastspawn._process import wait_readable
 from fastspawn._server import ServerClient
 
 T = TypeVar("T")
@@ -289,12 +290,21 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 stdio_fds.append(fd)
     header["stdio_slots"] = stdio_slots
     try:
-        server = get_server()
-        with server.lock:
-            server.send(header, [tx.fileno(), payload_fd, *collector.fds], locked=True)
-            for start in range(0, len(stdio_fds), _channel.MAX_FDS):
-                chunk = stdio_fds[start : start + _channel.MAX_FDS]
-                server.send({"op": "fds"}, chunk, locked=True)
+        for attempt in (1, 2):
+            server = get_server()
+            try:
+                with server.lock:
+                    server.send(header, [tx.fileno(), payload_fd, *collector.fds], locked=True)
+                    for start in range(0, len(stdio_fds), _channel.MAX_FDS):
+                        chunk = stdio_fds[start : start + _channel.MAX_FDS]
+                        server.send({"op": "fds"}, chunk, locked=True)
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                if attempt == 2:
+                    raise
+                # The zygote died after get_server() found it alive: once its
+                # exit shows on the pidfd, the next call starts a new one.
+                wait_readable([server.pidfd], 10.0)
     finally:
         os.close(payload_fd)
         # Our copy must go before we wait: if the zygote dies, the channel's

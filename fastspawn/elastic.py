@@ -501,4 +501,3 @@ def start_processes(
         context.close()
         raise
     return context
-

@@ -220,3 +220,22 @@ def test_unguarded_main_is_an_error_not_a_process_storm(tmp_path):
     assert done.returncode != 0
     assert "bootstrapping phase" in done.stderr
     assert "the zygote could not start the workers" in done.stderr
+
+
+def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatch):
+    _launch.get_server()
+    (zygote,) = _launch.helper_processes()[0]
+    server = _launch._server
+    os.kill(zygote, signal.SIGKILL)
+    server.dead.wait(30)  # the zygote is gone: its control socket is closed
+    calls = []
+    original = _server.ServerClient.alive
+
+    def stale_once(self):
+        calls.append(self.pid)
+        return True if len(calls) == 1 else original(self)
+
+    monkeypatch.setattr(_server.ServerClient, "alive", stale_once)
+    ctx = fastspawn.start_processes(workers.succeed, nprocs=2)
+    assert ctx.return_values == {0: 0, 1: 1}
+    assert calls[0] == zygote and len(calls) >= 2
