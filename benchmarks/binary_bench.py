@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from fastspawn import _oscall
+from fastspawn._bench import machine
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -65,7 +65,9 @@ def popen(preexec: bool) -> Callable[[int], float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--count", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--parent-mib", type=int, default=1024)
@@ -87,8 +89,7 @@ def main() -> None:
             print(f"  {name:13} {samples[name][-1] * 1000:8.1f} ms", file=sys.stderr)
     med = {name: statistics.median(v) for name, v in samples.items()}
     report = {
-        "machine": {"cores": os.cpu_count(), "kernel": platform.release(),
-                    "python": platform.python_version()},
+        "machine": machine(),
         "count": args.count,
         "parent_mib": args.parent_mib,
         "samples_s": samples,

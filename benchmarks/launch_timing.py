@@ -28,7 +28,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -192,19 +191,12 @@ def measure(method: str, nprocs: int, rounds: int) -> Result:
 # ------------------------------------------------------------------ reporting
 
 
-def machine() -> dict[str, str]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": cpu,
-        "cores": str(len(os.sched_getaffinity(0))),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-    }
+def machine() -> dict[str, Any]:
+    """The machine description ``fastspawn bench`` records (imported here,
+    in the parent only: workers never load fastspawn through this module)."""
+    from fastspawn._bench import machine as describe
+
+    return describe()
 
 
 def fastspawn_origin() -> str:
@@ -218,7 +210,7 @@ def fastspawn_origin() -> str:
 def describe_machine() -> str:
     info = machine()
     return (
-        f"CPU: {info['cpu']}; cores: {info['cores']}; kernel: {info['kernel']}; "
+        f"CPU: {info['cpu']}; cores: {info['usable_cores']}; kernel: {info['kernel']}; "
         f"Python {info['python']}; fastspawn from {fastspawn_origin()}"
     )
 

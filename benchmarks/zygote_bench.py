@@ -27,7 +27,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import struct
 import sys
@@ -42,23 +41,7 @@ import zygote_workers as zw  # noqa: E402
 
 import fastspawn  # noqa: E402
 from fastspawn import _launch, _oscall  # noqa: E402
-
-
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "fastspawn": fastspawn.__version__,
-    }
-
+from fastspawn._bench import machine  # noqa: E402
 
 # ------------------------------------------------------------ launch methods
 
@@ -114,7 +97,9 @@ def mp_method(method: str) -> Callable[[int], float]:
     return run
 
 
-def rounds_of(methods: dict[str, Callable[[int], float]], n: int, rounds: int) -> dict[str, list[float]]:
+def rounds_of(
+    methods: dict[str, Callable[[int], float]], n: int, rounds: int
+) -> dict[str, list[float]]:
     """Interleave the methods round by round, after one warm-up each."""
     for fn in methods.values():
         fn(min(n, 8))
@@ -198,8 +183,10 @@ def join_after_exit_1024(rounds: int) -> list[tuple[float, float]]:
         joined = time.monotonic()
         split = (last_exit - max(ctx.return_values.values()), joined - last_exit)
         out.append(split)
-        print(f"  1024: return->exit {split[0] * 1000:7.1f} ms, exit->join "
-              f"{split[1] * 1000:7.1f} ms", file=sys.stderr)
+        print(
+            f"  1024: return->exit {split[0] * 1000:7.1f} ms, exit->join {split[1] * 1000:7.1f} ms",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -222,9 +209,7 @@ def failure(rounds: int) -> dict[str, Any]:
     out = []
     for _ in range(rounds):
         deadline = time.monotonic() + 2.0  # every rank is up by then
-        ctx = fastspawn.start_processes(
-            zw.fail_one, (200, deadline, value), nprocs=256, join=False
-        )
+        ctx = fastspawn.start_processes(zw.fail_one, (200, deadline, value), nprocs=256, join=False)
         try:
             while not ctx.join(grace_period=0):
                 pass
@@ -316,7 +301,9 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--json", help="write every sample and the machine here")

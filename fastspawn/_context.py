@@ -191,7 +191,14 @@ class ProcessContext:
                 proc.pid,
             )
         self._signal_all(live, signal.SIGKILL)
-        for proc in list(self._pending.values()):
+        self._end()
+
+    def _end(self, sig: int | None = None) -> None:
+        """Send ``sig`` (if given) to every worker still running, wait for
+        them all, then release every fd: the last step of every way out."""
+        if sig is not None:
+            self._signal_all([proc for proc in self.processes if proc.running()], sig)
+        for proc in self.processes:
             proc.join()
         self._pending.clear()
         self._finish()
@@ -264,13 +271,7 @@ class ProcessContext:
     def _shutdown_at_exit(self) -> None:
         """What multiprocessing does at interpreter exit: terminate daemonic
         workers, wait for the others."""
-        if self.daemon:
-            for proc in self.processes:
-                proc.terminate()
-        for proc in self.processes:
-            proc.join()
-        self._pending.clear()
-        self._finish()
+        self._end(signal.SIGTERM if self.daemon else None)
 
 
 class SpawnContext(ProcessContext):
@@ -470,12 +471,7 @@ def start_processes(
         if not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
             # Ctrl-C or another error in the caller: leave nothing running.
             context._failed = True
-            for proc in context.processes:
-                proc.kill()
-            for proc in context.processes:
-                proc.join()
-            context._pending.clear()
-            context._finish()
+            context._end(signal.SIGKILL)
         raise
     return context
 
