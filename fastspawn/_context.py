@@ -179,18 +179,20 @@ class ProcessContext:
             self._wait_all(grace_period)
         # running(), not is_alive(): the latter would wait for the exit status
         # of each worker that just died, one after the other.
+        # Signal first, log after: hundreds of log records would otherwise
+        # delay the signal by milliseconds.
         live = [proc for proc in self._pending.values() if proc.running()]
+        self._signal_all(live, signal.SIGTERM)
         for proc in live:
             log.warning("Terminating process %s via signal SIGTERM", proc.pid)
-        self._signal_all(live, signal.SIGTERM)
         self._wait_all(30 if grace_period is None else grace_period)
         live = [proc for proc in self._pending.values() if proc.running()]
+        self._signal_all(live, signal.SIGKILL)
         for proc in live:
             log.warning(
                 "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL",
                 proc.pid,
             )
-        self._signal_all(live, signal.SIGKILL)
         self._end()
 
     def _end(self, sig: int | None = None) -> None:
