@@ -12,7 +12,9 @@ Scenarios (all by default):
             last exit seen on the ranks' pidfds.
   failure   one rank fails among 256 (grace_period=0), once all are up: from
             its failure to the exception in the caller, every other rank
-            reaped by then.
+            reaped by then.  Interleaved with the machine's floor: 256
+            sleeping children forked from this interpreter, one killpg, all
+            reaped.
   memory    summed USS (psutil) of 64 idle ranks: zygote workers (plus the
             zygote itself) against multiprocessing spawn workers.
   torch     64 ranks of a module that imports torch, end to end (call to join
@@ -201,15 +203,68 @@ def scaling(rounds: int) -> dict[str, Any]:
     return result
 
 
+def _anonymous_kib(pid: int) -> int:
+    """Anonymous memory of ``pid`` (what every forked child maps too)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no Anonymous line for {pid}")
+
+
+def bare_kill(n: int) -> float:
+    """The machine's floor for the failure scenario: ``n`` sleeping children
+    forked from this interpreter in one process group, killed with one
+    killpg(SIGKILL) and reaped.  Returns killpg to the last waitpid."""
+    me = os.getpid()
+    r, w = os.pipe()
+    pids: list[int] = []
+    try:
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.setpgid(0, pids[0] if pids else 0)
+                    _oscall.set_pdeathsig(9, me)
+                    os.write(w, b"x")
+                    time.sleep(600)
+                finally:
+                    os._exit(0)
+            os.setpgid(pid, pids[0] if pids else pid)
+            pids.append(pid)
+        os.close(w)
+        w = -1
+        up = 0
+        while up < n:
+            up += len(os.read(r, n))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.killpg(pids[0], 9)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        return time.monotonic() - t0
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
 def failure(rounds: int) -> dict[str, Any]:
+    """One failure among 256 through fastspawn, and the machine's floor for
+    it (the same number of processes of this interpreter's size, one killpg),
+    interleaved round by round."""
     # 255 ranks get SIGTERM and SIGKILL logged; discard those records here.
     logging.getLogger("fastspawn").addHandler(logging.NullHandler())
     logging.getLogger("fastspawn").propagate = False
     value = mp.get_context("spawn").Value("d", 0.0, lock=False)
-    out = []
+    out: list[float] = []
+    floor: list[float] = []
+    sizes: dict[str, int] = {}
     for _ in range(rounds):
         deadline = time.monotonic() + 2.0  # every rank is up by then
         ctx = fastspawn.start_processes(zw.fail_one, (200, deadline, value), nprocs=256, join=False)
+        zygote_pids, _ = _launch.helper_processes()
+        sizes["zygote_anonymous_kib"] = _anonymous_kib(next(iter(zygote_pids)))
         try:
             while not ctx.join(grace_period=0):
                 pass
@@ -220,7 +275,16 @@ def failure(rounds: int) -> dict[str, Any]:
         assert all(p.exitcode is not None for p in ctx.processes)
         out.append(raised - value.value)
         print(f"  fail 1 of 256    {out[-1] * 1000:9.1f} ms", file=sys.stderr)
-    return {"samples_s": out, "median_s": med(out)}
+        sizes["bench_anonymous_kib"] = _anonymous_kib(os.getpid())
+        floor.append(bare_kill(256))
+        print(f"  bare killpg 256  {floor[-1] * 1000:9.1f} ms", file=sys.stderr)
+    return {
+        "samples_s": out,
+        "median_s": med(out),
+        "bare_killpg_256_s": floor,
+        "bare_killpg_256_median_s": med(floor),
+        **sizes,
+    }
 
 
 def _uss(pids: list[int]) -> int:
