@@ -19,6 +19,8 @@ ffibuilder.cdef(
     int fs_waiter_remove(int epfd, int fd);
     int fs_waiter_wait(int epfd, uint64_t *tokens, int max_tokens, int timeout_ms);
 
+    int fs_collapse_hugepages(uintptr_t addr, size_t len);
+
     struct fs_launch_spec {
         const char *path;
         char *const *argv;
@@ -40,7 +42,7 @@ ffibuilder.set_source(
     "fastspawn._core",
     '#include "fastspawn.h"',
     # setuptools wants paths relative to the project root.
-    sources=[f"csrc/{name}" for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "launch.c")],
+    sources=[f"csrc/{name}" for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "memory.c", "launch.c")],
     include_dirs=["csrc"],
     extra_compile_args=["-Wall", "-Wextra", "-O2"],
 )

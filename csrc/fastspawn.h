@@ -25,6 +25,9 @@ int fs_waiter_add(int epfd, int fd, uint64_t token);
 int fs_waiter_remove(int epfd, int fd);
 int fs_waiter_wait(int epfd, uint64_t *tokens, int max_tokens, int timeout_ms);
 
+/* memory.c */
+int fs_collapse_hugepages(uintptr_t addr, size_t len);
+
 /* launch.c */
 struct fs_launch_spec {
     const char *path;          /* absolute or relative path of the binary */

@@ -33,6 +33,13 @@ def set_child_subreaper() -> None:
         _raise_errno("prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+def collapse_hugepages(address: int, length: int) -> None:
+    """Back ``[address, address + length)`` with huge pages now
+    (MADV_COLLAPSE).  OSError(EINVAL) where the kernel cannot (before 6.1)."""
+    if lib.fs_collapse_hugepages(address, length) != 0:
+        _raise_errno("madvise(MADV_COLLAPSE)")
+
+
 def pidfd_open(pid: int) -> int:
     """Return a close-on-exec pidfd for ``pid``."""
     fd = lib.fs_pidfd_open(pid, 0)
