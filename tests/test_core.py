@@ -211,3 +211,30 @@ def test_launched_binary_dies_with_its_parent():
             break
         assert time.monotonic() < deadline, "the launched binary outlived its parent"
         time.sleep(0.05)
+
+
+def test_collapse_hugepages_reports_errno():
+    # Nothing mapped at address 0: ENOMEM; not page-aligned: EINVAL.
+    with pytest.raises(OSError) as info:
+        _oscall.collapse_hugepages(0, 2 << 20)
+    assert info.value.errno == errno.ENOMEM
+    assert "MADV_COLLAPSE" in str(info.value)
+    with pytest.raises(OSError) as info:
+        _oscall.collapse_hugepages(1, 2 << 20)
+    assert info.value.errno == errno.EINVAL
+
+
+def test_collapsible_ranges_are_aligned_private_anonymous_memory():
+    from fastspawn import _server
+
+    with open("/proc/self/maps") as f:
+        maps = [line.split() for line in f]
+    vmas = [(tuple(int(x, 16) for x in m[0].split("-")), m[1], m[5:]) for m in maps]
+    starts = _server._collapsible_ranges()
+    assert starts, "a Python process always has a heap or arenas of 2 MiB"
+    for start in starts:
+        assert start % (2 << 20) == 0
+        (low, high), perms, name = next(v for v in vmas if v[0][0] <= start < v[0][1])
+        assert start + (2 << 20) <= high
+        assert perms.startswith("rw") and perms[3] == "p"
+        assert name in ([], ["[heap]"])

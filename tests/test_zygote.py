@@ -251,3 +251,52 @@ def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatc
     ctx = fastspawn.start_processes(workers.succeed, nprocs=2)
     assert ctx.return_values == {0: 0, 1: 1}
     assert calls[0] == zygote and len(calls) >= 2
+
+
+def _anon_huge_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_off() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" in f.read()
+    except OSError:
+        return True
+
+
+def test_workers_skip_the_zygotes_objects_in_gc_but_collect_their_own():
+    ctx = fastspawn.start_processes(workers.gc_state, nprocs=2)
+    for frozen, collected in ctx.return_values.values():
+        assert frozen > 1000  # the zygote froze its modules before forking
+        assert collected >= 1  # the worker's own cycle
+
+
+@pytest.mark.skipif(_thp_off(), reason="transparent huge pages are off on this machine")
+def test_idle_zygote_collapses_its_heap_into_huge_pages():
+    fastspawn.stop_zygote()
+    fastspawn.start_processes(workers.succeed, nprocs=1, preload=["big_heap"])
+    (zygote,) = _launch.helper_processes()[0]
+    deadline = time.monotonic() + 20
+    while _anon_huge_kib(zygote) == 0:
+        assert time.monotonic() < deadline, open(f"/proc/{zygote}/smaps_rollup").read()
+        time.sleep(0.1)
+    # Still serves launches, from the collapsed memory.
+    ctx = fastspawn.start_processes(workers.module_loaded, ("big_heap",), nprocs=4)
+    assert ctx.return_values == {rank: True for rank in range(4)}
+
+
+def test_hugepages_opt_out(monkeypatch):
+    monkeypatch.setenv("FASTSPAWN_HUGEPAGES", "0")
+    fastspawn.stop_zygote()
+    try:
+        fastspawn.start_processes(workers.succeed, nprocs=1, preload=["big_heap"])
+        (zygote,) = _launch.helper_processes()[0]
+        time.sleep(1.0)  # idle time in which it would have collapsed
+        assert _anon_huge_kib(zygote) == 0
+    finally:
+        fastspawn.stop_zygote()  # the next test's zygote gets the default

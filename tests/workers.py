@@ -210,3 +210,13 @@ def elastic_big(size: int) -> bytes:
 
 def elastic_env() -> str | None:
     return os.environ.get("TORCHELASTIC_ERROR_FILE")
+
+
+def gc_state(rank: int) -> tuple[int, int]:
+    """(objects frozen by the zygote, cyclic garbage this worker collects)."""
+    import gc
+
+    cycle: list[object] = []
+    cycle.append(cycle)
+    del cycle
+    return gc.get_freeze_count(), gc.collect()
