@@ -1071,7 +1071,17 @@ def machine() -> Record:
         pass
     import fastspawn
 
+    torch_version = None
     torch = sys.modules.get("torch")
+    if torch is not None:
+        torch_version = str(getattr(torch, "__version__", "unknown"))
+    else:
+        from importlib import metadata
+
+        try:
+            torch_version = metadata.version("torch")  # installed, not imported
+        except metadata.PackageNotFoundError:
+            pass
     return {
         "cpu": cpu,
         "cores": os.cpu_count() or 1,
@@ -1079,7 +1089,7 @@ def machine() -> Record:
         "kernel": platform.release(),
         "python": f"{platform.python_version()} ({platform.python_implementation()})",
         "fastspawn": fastspawn.__version__,
-        "torch": str(getattr(torch, "__version__", "unknown")) if torch is not None else None,
+        "torch": torch_version,
         "memory_bytes": memory,
     }
 
