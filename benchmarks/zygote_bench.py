@@ -18,8 +18,9 @@ Scenarios (all by default):
   memory    summed USS (psutil) of 64 idle ranks: zygote workers (plus the
             zygote itself) against multiprocessing spawn workers.
   torch     64 ranks of a module that imports torch, end to end (call to join
-            returned): fastspawn with torch preloaded in the zygote against
-            torch.multiprocessing.spawn.  Skipped without torch.
+            returned): fastspawn with torch preloaded in the zygote, with and
+            without huge pages, against torch.multiprocessing.spawn.
+            Skipped without torch.
 """
 
 from __future__ import annotations
@@ -328,29 +329,59 @@ def memory(rounds: int) -> dict[str, Any]:
     }
 
 
+def _anon_huge_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
 def torch_scenario(rounds: int) -> dict[str, Any]:
+    """64 ranks of a torch-importing module, end to end, with torch preloaded
+    in a fresh zygote each round that then idles 2 s (as while a program
+    loads its data), with huge pages (the default) and without
+    (FASTSPAWN_HUGEPAGES=0), interleaved; then torch.multiprocessing.spawn
+    once (it takes a minute or more)."""
     try:
         import torch.multiprocessing as tmp
     except ImportError:
         return {"skipped": "torch is not installed"}
     import torch_workers
 
-    fastspawn.preload(["torch"])
-    fastspawn.start_processes(torch_workers.entry_time, nprocs=1, preload=["torch"])  # warm
-    ours = []
+    samples: dict[str, list[float]] = {"hugepages": [], "no_hugepages": []}
+    huge_kib: dict[str, list[int]] = {kind: [] for kind in samples}
     for _ in range(rounds):
-        t0 = time.monotonic()
-        fastspawn.spawn(torch_workers.entry_time, nprocs=64)
-        ours.append(time.monotonic() - t0)
-        print(f"  fastspawn torch  {ours[-1] * 1000:9.1f} ms", file=sys.stderr)
+        for kind in samples:
+            fastspawn.stop_zygote()
+            os.environ["FASTSPAWN_HUGEPAGES"] = "1" if kind == "hugepages" else "0"
+            try:
+                fastspawn.preload(["torch"])
+                # Returns once torch is imported there.
+                fastspawn.start_processes(torch_workers.entry_time, nprocs=1)
+            finally:
+                del os.environ["FASTSPAWN_HUGEPAGES"]
+            time.sleep(2.0)
+            (zygote,) = _launch.helper_processes()[0]
+            huge_kib[kind].append(_anon_huge_kib(zygote))
+            t0 = time.monotonic()
+            fastspawn.spawn(torch_workers.entry_time, nprocs=64)
+            samples[kind].append(time.monotonic() - t0)
+            print(
+                f"  fastspawn torch {kind:13} {samples[kind][-1] * 1000:9.1f} ms", file=sys.stderr
+            )
     t0 = time.monotonic()
     tmp.spawn(torch_workers.entry_time, nprocs=64)
     theirs = time.monotonic() - t0
     print(f"  torch mp.spawn   {theirs * 1000:9.1f} ms", file=sys.stderr)
     return {
-        "fastspawn_s": ours,
+        "fastspawn_s": samples["hugepages"],
+        "fastspawn_no_hugepages_s": samples["no_hugepages"],
+        "zygote_anon_huge_kib": huge_kib,
         "torch_spawn_s": theirs,
-        "ratio": theirs / med(ours),
+        "ratio": theirs / med(samples["hugepages"]),
+        "ratio_no_hugepages": theirs / med(samples["no_hugepages"]),
+        "hugepages_gain": med(samples["no_hugepages"]) / med(samples["hugepages"]),
         "torch": __import__("torch").__version__,
     }
 
