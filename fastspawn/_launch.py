@@ -239,6 +239,7 @@ def get_server() -> ServerClient:
             _server.close()
             _server = None
         if _server is None:
+            _oscall.require_pidfds()
             _server = ServerClient(env_preload())
         return _server
 
@@ -340,6 +341,7 @@ _METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]]
 
 def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     """Start every rank of ``req``; on failure nothing is left running."""
+    _oscall.require_pidfds()
     method = _METHODS[req.start_method]
     if req.start_method in ("zygote", "forkserver"):
         return method(req, tx, rx)  # the zygote does the forking

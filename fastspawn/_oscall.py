@@ -74,6 +74,41 @@ def pidfd_wait(pidfd: int, nohang: bool) -> int | None:
     return int(status[0])
 
 
+_pidfds_checked = False
+
+
+def require_pidfds() -> None:
+    """Check, once per process, that the kernel has what fastspawn waits
+    with: pidfd_open (Linux 5.3) and waitid(P_PIDFD) (Linux 5.4).
+
+    Raises:
+        OSError: naming the missing call and the running kernel, where the
+            kernel is older.
+    """
+    global _pidfds_checked
+    if _pidfds_checked:
+        return
+    try:
+        fd = pidfd_open(os.getpid())
+        try:
+            pidfd_wait(fd, nohang=True)  # not our child: ECHILD where supported
+        except ChildProcessError:
+            pass
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if isinstance(exc, ChildProcessError):  # pragma: no cover - caught above
+            raise
+        import platform
+
+        raise OSError(
+            exc.errno,
+            f"fastspawn needs Linux 5.4 or newer (pidfd_open, waitid P_PIDFD); "
+            f"on this kernel ({platform.release()}): {exc.strerror}",
+        ) from exc
+    _pidfds_checked = True
+
+
 class Waiter:
     """An epoll set over many fds, each with an integer token.
 

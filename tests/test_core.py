@@ -238,3 +238,25 @@ def test_collapsible_ranges_are_aligned_private_anonymous_memory():
         assert start + (2 << 20) <= high
         assert perms.startswith("rw") and perms[3] == "p"
         assert name in ([], ["[heap]"])
+
+
+@pytest.mark.parametrize(
+    "missing, errno_",
+    [("pidfd_open", errno.ENOSYS), ("pidfd_wait", errno.EINVAL)],
+    ids=["no pidfd_open (< 5.3)", "no waitid P_PIDFD (5.3)"],
+)
+def test_old_kernel_gets_a_clear_error_before_anything_starts(monkeypatch, missing, errno_):
+    import workers
+
+    import fastspawn
+
+    def unsupported(*args, **kwargs):
+        raise OSError(errno_, os.strerror(errno_))
+
+    monkeypatch.setattr(_oscall, missing, unsupported)
+    monkeypatch.setattr(_oscall, "_pidfds_checked", False)
+    for method in ("zygote", "spawn", "fork"):
+        with pytest.raises(OSError, match=r"needs Linux 5\.4 or newer") as info:
+            fastspawn.start_processes(workers.succeed, nprocs=2, start_method=method)
+        assert info.value.errno == errno_
+        assert os.uname().release in str(info.value)
