@@ -17,7 +17,10 @@ import pickle
 from collections.abc import Sequence
 from multiprocessing import context as mp_context
 from multiprocessing import reduction
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 # The fds the current process received from its launcher, by index.  Set in
 # the child before it unpickles its payload.

@@ -13,16 +13,32 @@ import atexit
 import io
 import os
 import pickle
-import random
 import signal
 import socket
 import sys
 import threading
-import traceback
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
 
-from fastspawn import _channel, _oscall, _pickling
+from fastspawn import _channel, _pickling
+
+# A spawned worker imports this module on every start: what only some paths
+# need (typing, traceback, random, the cffi core) is imported where used.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from typing import Any, NoReturn
+
+
+def _format_exc() -> str:
+    import traceback
+
+    return traceback.format_exc()
+
+
+def _print_exc() -> None:
+    import traceback
+
+    traceback.print_exc()
+
 
 # Raised SystemExit codes that are not ints print and exit 1, as Python does.
 
@@ -72,7 +88,7 @@ def run(rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socke
         code = _exit_code(exc)
         value = None
     except BaseException:
-        _channel.send(tx, rank, _channel.ERROR, traceback.format_exc().encode("utf-8", "replace"))
+        _channel.send(tx, rank, _channel.ERROR, _format_exc().encode("utf-8", "replace"))
         code = 1
     if code == 0:
         try:
@@ -97,7 +113,7 @@ def _finish(code: int, run_atexit: bool) -> NoReturn:
         if run_atexit:
             atexit._run_exitfuncs()
     except BaseException:
-        traceback.print_exc()
+        _print_exc()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -142,7 +158,9 @@ def reseed() -> None:
     (about 18 ms each on the benchmark machine), and a worker that imports
     it later seeds it from the OS anyway.
     """
-    random.seed()
+    random = sys.modules.get("random")
+    if random is not None:
+        random.seed()  # Python reseeds it at fork too; a worker that imports it later seeds it then
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         try:
@@ -172,6 +190,8 @@ def forked_child(
     """
     code = 1
     try:
+        from fastspawn import _oscall  # loaded in the forking process already
+
         try:
             _oscall.set_pdeathsig(signal.SIGKILL, parent)
         except ProcessLookupError:
@@ -194,7 +214,7 @@ def forked_child(
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
-        traceback.print_exc()
+        _print_exc()
     _finish(code, run_atexit=False)
 
 
@@ -261,7 +281,7 @@ def spawn_main() -> NoReturn:
                 process.current_process().name = f"fastspawn-worker-{rank}"
                 fn, args = pickle.load(payload)
             except BaseException:
-                _channel.send(tx, rank, _channel.ERROR, traceback.format_exc().encode())
+                _channel.send(tx, rank, _channel.ERROR, _format_exc().encode())
             else:
                 for fd in _pickling.inherited_fds:
                     os.close(fd)  # the unpickled objects hold their own dups
@@ -269,5 +289,5 @@ def spawn_main() -> NoReturn:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
-        traceback.print_exc()
+        _print_exc()
     _finish(code, run_atexit=True)
