@@ -32,7 +32,6 @@ to.  Exit statuses go back on each launch's channel, sent without blocking
 from __future__ import annotations
 
 import collections
-import errno
 import gc
 import logging
 import os
@@ -43,6 +42,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,8 +63,11 @@ _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 def _hugepages_wanted() -> bool:
     """Collapse into huge pages unless the user opted out
-    (FASTSPAWN_HUGEPAGES=0) or the machine has them off ("never")."""
+    (FASTSPAWN_HUGEPAGES=0), the kernel predates MADV_COLLAPSE or the machine
+    has huge pages off ("never")."""
     if os.environ.get("FASTSPAWN_HUGEPAGES", "1").strip() == "0":
+        return False
+    if not _kernel_has_collapse():
         return False
     try:
         with open(_THP_SETTING) as f:
@@ -93,26 +96,23 @@ def _collapsible_ranges() -> list[int]:
     return starts
 
 
-# MADV_COLLAPSE attempts answered EINVAL before any succeeded: a kernel
-# without it (before 6.1) answers every one so, and then none is made again.
-_collapse_refusals = 0
-_collapse_worked = False
-_REFUSALS_TO_GIVE_UP = 8
+def _kernel_has_collapse() -> bool:
+    """MADV_COLLAPSE arrived in Linux 6.1.  (An attempt's EINVAL cannot tell:
+    the kernel also answers EINVAL for a stretch with no page in it yet.)"""
+    try:
+        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 1)
 
 
 def _collapse(address: int) -> bool:
-    """Collapse one stretch into a huge page; False where it cannot be (it
-    stays as it is)."""
-    global _collapse_refusals, _collapse_worked
-    if not _collapse_worked and _collapse_refusals >= _REFUSALS_TO_GIVE_UP:
-        return False
+    """Collapse one stretch into a huge page; False where it cannot be (no
+    page there yet, no huge page to be had now): it stays as it is."""
     try:
         _oscall.collapse_hugepages(address, _HUGE_PAGE)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            _collapse_refusals += 1
+    except OSError:
         return False
-    _collapse_worked = True
     return True
 
 
@@ -226,16 +226,21 @@ class _Zygote:
         to be done; True if there may be more.
 
         Forking a torch-sized zygote and tearing its workers down then costs
-        one page-table entry per 2 MiB instead of one per 4 KiB (fork 3.5x,
-        exit 3x faster, benchmarks/README.md).  Collapsing copies each
-        stretch (a few ms each), so it happens only while the zygote is idle,
-        one stretch at a time between polls, and only while no worker runs:
-        a worker still sharing the old pages would keep them alive beside
-        the new ones.
+        one page-table entry per 2 MiB instead of one per 4 KiB (with torch
+        loaded: fork 3.8x, exit 3.0x faster, benchmarks/README.md).  Each
+        stretch is copied (a few ms), so it happens only while the zygote is
+        idle, one stretch at a time between polls, and only while no worker
+        runs: a worker still sharing the old pages would keep them alive
+        beside the new ones.
         """
         if not self.to_collapse or self.workers:
             return False
-        _collapse(self.to_collapse.pop())
+        # Failures are mostly quick (a stretch nothing was written to yet):
+        # go on to the next one, for up to 5 ms.
+        deadline = time.monotonic() + 0.005
+        while self.to_collapse and not _collapse(self.to_collapse.pop()):
+            if time.monotonic() > deadline:
+                break
         return bool(self.to_collapse)
 
     def own_fds(self) -> list[int]:

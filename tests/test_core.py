@@ -260,3 +260,43 @@ def test_old_kernel_gets_a_clear_error_before_anything_starts(monkeypatch, missi
             fastspawn.start_processes(workers.succeed, nprocs=2, start_method=method)
         assert info.value.errno == errno_
         assert os.uname().release in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "release, expected",
+    [
+        ("6.18.44-fc-v782", True),
+        ("6.1.0-13-amd64", True),
+        ("5.15.0-91-generic", False),
+        ("4.18.0-513.el8.x86_64", False),
+        ("weird", False),
+    ],
+)
+def test_madv_collapse_needs_linux_6_1(monkeypatch, release, expected):
+    from fastspawn import _server
+
+    real = os.uname()
+    fake = os.uname_result((real.sysname, real.nodename, release, real.version, real.machine))
+    monkeypatch.setattr(os, "uname", lambda: fake)
+    assert _server._kernel_has_collapse() is expected
+
+
+def test_collapse_skips_untouched_memory_and_collapses_touched():
+    import ctypes
+    import mmap
+
+    from fastspawn import _server
+
+    if not _server._hugepages_wanted():
+        pytest.skip("no MADV_COLLAPSE or no transparent huge pages here")
+    huge = 2 << 20
+    area = mmap.mmap(-1, 4 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        first = -(-base // huge) * huge  # two whole aligned stretches follow
+        offset = first - base
+        area[offset : offset + huge] = b"x" * huge  # the first one written
+        assert _server._collapse(first)
+        assert not _server._collapse(first + huge)  # nothing there yet: EINVAL
+    finally:
+        area.close()
