@@ -180,10 +180,8 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
 
 
 def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
-    from multiprocessing import spawn
-
     collector = _pickling.FdCollector()
-    preparation = spawn.get_preparation_data("fastspawn-worker")
+    preparation = _worker.preparation_data("fastspawn-worker")
     payload_fd = _payload_memfd(_pickling.dumps([preparation, (req.fn, req.args)], collector))
     tracker = _tracker_fd()
     argv = [

@@ -546,7 +546,6 @@ class ServerClient:
     """The caller's handle on its zygote (one per caller process)."""
 
     def __init__(self, preload: Sequence[str] = ()) -> None:
-        from multiprocessing import spawn
 
         from fastspawn._launch import on_launcher_thread
 
@@ -581,7 +580,7 @@ class ServerClient:
         # pid of their rank 0); added by the launcher, dropped when joined.
         self.groups: set[int] = set()
         hello = {
-            "preparation": spawn.get_preparation_data("fastspawn-zygote"),
+            "preparation": _worker.preparation_data("fastspawn-zygote"),
             "preload": list(preload),
         }
         # The authkey inside pickles only while "spawning", as for spawn.

@@ -218,6 +218,21 @@ def forked_child(
     _finish(code, run_atexit=False)
 
 
+def preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's spawn preparation data for a child named ``name``,
+    less a main script that is not a file: a program read from stdin
+    (``python -``) or deleted since.  The child then prepares as under
+    ``python -c`` (no ``__mp_main__`` to import), where a multiprocessing
+    spawn child would die on FileNotFoundError, and with it our zygote."""
+    from multiprocessing import spawn
+
+    data: dict[str, Any] = spawn.get_preparation_data(name)
+    path = data.get("init_main_from_path")
+    if path is not None and not os.path.isfile(path):
+        del data["init_main_from_path"]
+    return data
+
+
 def prepare(preparation: dict[str, Any]) -> None:
     """multiprocessing.spawn.prepare, flagged as bootstrapping: a ``__main__``
     that starts processes at import time (no ``if __name__ == "__main__"``

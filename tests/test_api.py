@@ -5,7 +5,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import subprocess
 import sys
+import textwrap
 import time
 import types
 import warnings
@@ -14,6 +16,8 @@ import pytest
 import workers
 
 import fastspawn
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
@@ -264,3 +268,28 @@ def test_failure_after_processes_reaped_individually_does_not_stall(start_method
             pass
     # The failure path must not wait for workers that are already reaped.
     assert time.monotonic() - began < 10
+
+
+def test_program_read_from_stdin_can_launch(start_method):
+    # `python -` has no main script file; multiprocessing's own spawn child
+    # dies trying to import "<stdin>" as __mp_main__.
+    if start_method in ("fork",):
+        pytest.skip("fork does not re-import __main__")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {TESTS!r})
+        import fastspawn, workers
+        if __name__ == "__main__":
+            ctx = fastspawn.start_processes(
+                workers.succeed, nprocs=2, start_method={start_method!r}
+            )
+            print(sorted(ctx.return_values.items()))
+            fastspawn.stop_zygote()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[(0, 0), (1, 1)]"
