@@ -192,3 +192,16 @@ def test_slow_import_costs_one_import(start_method, monkeypatch):
     assert ctx.return_values == {rank: seconds for rank in range(4)}
     # Four imports one after the other would take 4 * seconds.
     assert took < 2.5 * seconds, f"start cost {took:.1f}s, imports are not shared/concurrent"
+
+
+def test_raised_rank_keeps_its_exit_code_and_the_others_are_stopped(start_method):
+    # The caller may act on a raising rank's report before the zygote has
+    # sent its exit status; the status still arrives before join raises.
+    ctx = start(workers.raise_on, (0, 30.0), nprocs=3, join=False, start_method=start_method)
+    with pytest.raises(fastspawn.ProcessRaisedException) as info:
+        while not ctx.join(timeout=60):
+            pass
+    assert info.value.error_index == 0
+    assert ctx.processes[0].exitcode == 1
+    assert [p.exitcode for p in ctx.processes[1:]] == [-signal.SIGTERM] * 2
+    assert all(gone(pid) for pid in ctx.pids())
