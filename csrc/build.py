@@ -20,6 +20,8 @@ ffibuilder.cdef(
     int fs_waiter_wait(int epfd, uint64_t *tokens, int max_tokens, int timeout_ms);
 
     int fs_collapse_hugepages(uintptr_t addr, size_t len);
+    int fs_arena_place(size_t size);
+    int fs_arena_region(uintptr_t *base, size_t *size, size_t *used);
 
     struct fs_launch_spec {
         const char *path;
@@ -42,7 +44,7 @@ ffibuilder.set_source(
     "fastspawn._core",
     '#include "fastspawn.h"',
     # setuptools wants paths relative to the project root.
-    sources=[f"csrc/{name}" for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "memory.c", "launch.c")],
+    sources=[f"csrc/{name}" for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "memory.c", "arena.c", "launch.c")],
     include_dirs=["csrc"],
     extra_compile_args=["-Wall", "-Wextra", "-O2"],
 )

@@ -1,8 +1,9 @@
 /* fastspawn C core: thin wrappers over the Linux process syscalls.
  *
  * Every function returns >= 0 on success and -1 with errno set on failure.
- * Results come back through out-pointers.  Nothing here prints, exits the
- * calling process or keeps global state; the policy lives in Python.
+ * Results come back through out-pointers.  Nothing here prints or exits the
+ * calling process; the policy lives in Python.  The one piece of global
+ * state is arena.c's region, as the allocator hook it serves is process-wide.
  */
 #ifndef FASTSPAWN_H
 #define FASTSPAWN_H
@@ -27,6 +28,10 @@ int fs_waiter_wait(int epfd, uint64_t *tokens, int max_tokens, int timeout_ms);
 
 /* memory.c */
 int fs_collapse_hugepages(uintptr_t addr, size_t len);
+
+/* arena.c */
+int fs_arena_place(size_t size);
+int fs_arena_region(uintptr_t *base, size_t *size, size_t *used);
 
 /* launch.c */
 struct fs_launch_spec {

@@ -47,73 +47,19 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastspawn import _channel, _oscall, _pickling, _worker
+from fastspawn import _channel, _hugepages, _oscall, _pickling, _worker
 
 log = logging.getLogger(__name__)
 
-_ENTRY = _worker.entry_code("fastspawn._server.main")
+# The arenas' region is placed before the zygote imports anything else.
+_ENTRY = _worker.entry_code(
+    "fastspawn._server.main",
+    first="from fastspawn._hugepages import place_arenas; place_arenas()",
+)
 _MAX_HEADER = 1 << 20
 
 
 # ---------------------------------------------------------------- zygote side
-
-_HUGE_PAGE = 2 << 20
-_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def _hugepages_wanted() -> bool:
-    """Collapse into huge pages unless the user opted out
-    (FASTSPAWN_HUGEPAGES=0), the kernel predates MADV_COLLAPSE or the machine
-    has huge pages off ("never")."""
-    if os.environ.get("FASTSPAWN_HUGEPAGES", "1").strip() == "0":
-        return False
-    if not _kernel_has_collapse():
-        return False
-    try:
-        with open(_THP_SETTING) as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False  # no transparent huge pages in this kernel
-
-
-def _collapsible_ranges() -> list[int]:
-    """Start addresses of the 2 MiB-aligned stretches of private anonymous
-    memory (the malloc heap, the interpreter's object arenas)."""
-    with open("/proc/self/maps") as f:
-        lines = f.read().splitlines()
-    starts: list[int] = []
-    for line in lines:
-        fields = line.split()
-        # Private and writable, and either unnamed or the brk heap: not
-        # files, not shared memory, not the stack.
-        if fields[1][:2] != "rw" or fields[1][3] != "p":
-            continue
-        if len(fields) > 5 and fields[5] != "[heap]":
-            continue
-        low, high = (int(x, 16) for x in fields[0].split("-"))
-        first = -(-low // _HUGE_PAGE) * _HUGE_PAGE
-        starts.extend(range(first, high - _HUGE_PAGE + 1, _HUGE_PAGE))
-    return starts
-
-
-def _kernel_has_collapse() -> bool:
-    """MADV_COLLAPSE arrived in Linux 6.1.  (An attempt's EINVAL cannot tell:
-    the kernel also answers EINVAL for a stretch with no page in it yet.)"""
-    try:
-        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (6, 1)
-
-
-def _collapse(address: int) -> bool:
-    """Collapse one stretch into a huge page; False where it cannot be (no
-    page there yet, no huge page to be had now): it stays as it is."""
-    try:
-        _oscall.collapse_hugepages(address, _HUGE_PAGE)
-    except OSError:
-        return False
-    return True
 
 
 class _Launch:
@@ -218,8 +164,8 @@ class _Zygote:
             return
         gc.freeze()
         self.settled_modules = len(sys.modules)
-        if _hugepages_wanted():
-            self.to_collapse = _collapsible_ranges()
+        if _hugepages.wanted():
+            self.to_collapse = _hugepages.collapsible_ranges()
 
     def collapse_when_idle(self) -> bool:
         """Collapse one queued stretch into a huge page, if nothing else is
@@ -238,7 +184,7 @@ class _Zygote:
         # Failures are mostly quick (a stretch nothing was written to yet):
         # go on to the next one, for up to 5 ms.
         deadline = time.monotonic() + 0.005
-        while self.to_collapse and not _collapse(self.to_collapse.pop()):
+        while self.to_collapse and not _hugepages.collapse(self.to_collapse.pop()):
             if time.monotonic() > deadline:
                 break
         return bool(self.to_collapse)

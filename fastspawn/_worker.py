@@ -43,8 +43,9 @@ def _print_exc() -> None:
 # Raised SystemExit codes that are not ints print and exit 1, as Python does.
 
 
-def entry_code(call: str) -> str:
-    """``python -c`` code that imports this very fastspawn, then runs ``call``.
+def entry_code(call: str, first: str = "") -> str:
+    """``python -c`` code that imports this very fastspawn, then runs ``call``
+    (after the statement ``first``, if given).
 
     ``-c`` puts the current directory first on sys.path: run from a source
     checkout (a ``fastspawn/`` folder without its built extension), the child
@@ -56,7 +57,7 @@ def entry_code(call: str) -> str:
     module, _, function = call.rpartition(".")
     return (
         f"import sys; sys.path[:1] = [{root!r}] + [p for p in sys.path[:1] if p]; "
-        f"from {module} import {function}; {function}()"
+        f"{first}{'; ' if first else ''}from {module} import {function}; {function}()"
     )
 
 

@@ -225,12 +225,12 @@ def test_collapse_hugepages_reports_errno():
 
 
 def test_collapsible_ranges_are_aligned_private_anonymous_memory():
-    from fastspawn import _server
+    from fastspawn import _hugepages
 
     with open("/proc/self/maps") as f:
         maps = [line.split() for line in f]
     vmas = [(tuple(int(x, 16) for x in m[0].split("-")), m[1], m[5:]) for m in maps]
-    starts = _server._collapsible_ranges()
+    starts = _hugepages.collapsible_ranges()
     assert starts, "a Python process always has a heap or arenas of 2 MiB"
     for start in starts:
         assert start % (2 << 20) == 0
@@ -273,21 +273,21 @@ def test_old_kernel_gets_a_clear_error_before_anything_starts(monkeypatch, missi
     ],
 )
 def test_madv_collapse_needs_linux_6_1(monkeypatch, release, expected):
-    from fastspawn import _server
+    from fastspawn import _hugepages
 
     real = os.uname()
     fake = os.uname_result((real.sysname, real.nodename, release, real.version, real.machine))
     monkeypatch.setattr(os, "uname", lambda: fake)
-    assert _server._kernel_has_collapse() is expected
+    assert _hugepages.kernel_has_collapse() is expected
 
 
 def test_collapse_skips_untouched_memory_and_collapses_touched():
     import ctypes
     import mmap
 
-    from fastspawn import _server
+    from fastspawn import _hugepages
 
-    if not _server._hugepages_wanted():
+    if not _hugepages.wanted():
         pytest.skip("no MADV_COLLAPSE or no transparent huge pages here")
     huge = 2 << 20
     area = mmap.mmap(-1, 4 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -296,7 +296,74 @@ def test_collapse_skips_untouched_memory_and_collapses_touched():
         first = -(-base // huge) * huge  # two whole aligned stretches follow
         offset = first - base
         area[offset : offset + huge] = b"x" * huge  # the first one written
-        assert _server._collapse(first)
-        assert not _server._collapse(first + huge)  # nothing there yet: EINVAL
+        assert _hugepages.collapse(first)
+        assert not _hugepages.collapse(first + huge)  # nothing there yet: EINVAL
     finally:
         area.close()
+
+
+ARENA_CHECK = """
+import errno, gc
+from fastspawn import _hugepages
+from fastspawn._core import ffi, lib
+
+for bad in (0, 1 << 20, 2 << 30):  # not whole 2 MiB, or over 1 GiB
+    assert lib.fs_arena_place(bad) == -1 and ffi.errno == errno.EINVAL, bad
+assert _hugepages.arena_region() == (0, 0, 0)
+assert lib.fs_arena_place(8 << 20) == 0
+base, size, used = _hugepages.arena_region()
+assert base % (2 << 20) == 0 and size == 8 << 20 and used == 0, (base, size, used)
+assert lib.fs_arena_place(8 << 20) == -1 and ffi.errno == errno.EBUSY
+
+def inside(objects):
+    return sum(base <= id(o) < base + size for o in objects)
+
+first = [[] for _ in range(60_000)]  # about 3.5 MB of small objects
+used_first = _hugepages.arena_region()[2]
+assert used_first > 0 and inside(first) > 40_000, (used_first, inside(first))
+del first
+gc.collect()  # their arenas are freed: their slots come back
+second = [[] for _ in range(60_000)]
+assert _hugepages.arena_region()[2] == used_first, "freed slots were not reused"
+assert inside(second) > 40_000
+beyond = [[] for _ in range(400_000)]  # more than the region holds
+assert len(beyond) - inside(beyond) > 200_000  # the rest went elsewhere
+assert _hugepages.arena_region()[2] == 8 << 20
+"""
+
+
+def test_arena_region_takes_new_arenas_reuses_freed_ones_and_overflows_elsewhere():
+    done = subprocess.run([sys.executable, "-c", ARENA_CHECK], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "env, limit",
+    [({"FASTSPAWN_HUGEPAGES": "0"}, None), ({}, 64 << 30)],
+    ids=["opted out", "ulimit -v"],
+)
+def test_arenas_stay_where_they_are_when_opted_out_or_address_space_capped(env, limit):
+    code = textwrap.dedent(
+        f"""
+        import resource
+        from fastspawn import _hugepages
+        if {limit!r}:
+            resource.setrlimit(resource.RLIMIT_AS, ({limit!r}, {limit!r}))
+            assert _hugepages.address_space_limited()
+        assert not _hugepages.place_arenas()
+        assert _hugepages.arena_region() == (0, 0, 0)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_address_space_is_unlimited_here():
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    from fastspawn import _hugepages
+
+    assert _hugepages.address_space_limited() is (soft != resource.RLIM_INFINITY)

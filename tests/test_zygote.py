@@ -17,7 +17,7 @@ import workers
 from helpers import alive_after, gone, kill_driver
 
 import fastspawn
-from fastspawn import _launch, _server
+from fastspawn import _hugepages, _launch, _server
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -296,6 +296,23 @@ def test_idle_zygote_collapses_its_heap_into_huge_pages():
     assert ctx.return_values == {rank: True for rank in range(4)}
 
 
+@pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
+def test_zygote_places_its_arenas_in_one_aligned_region_before_its_imports():
+    fastspawn.stop_zygote()
+    ctx = fastspawn.start_processes(workers.arena_region, nprocs=2, preload=["big_heap"])
+    (zygote,) = _launch.helper_processes()[0]
+    regions = set(ctx.return_values.values())
+    assert len(regions) == 1  # inherited by every worker
+    ((base, size, used),) = regions
+    assert base % (2 << 20) == 0 and size == _hugepages.ARENA_REGION
+    # The zygote's own imports (fastspawn._server and what it pulls in) came
+    # after the region: several arenas of objects, not just the preload's.
+    assert used >= 2 << 20
+    with open(f"/proc/{zygote}/maps") as f:
+        starts = {int(line.split("-")[0], 16): line.split()[1] for line in f}
+    assert starts.get(base) == "rw-p"  # in use from its start on
+
+
 def test_hugepages_opt_out(monkeypatch):
     monkeypatch.setenv("FASTSPAWN_HUGEPAGES", "0")
     fastspawn.stop_zygote()
@@ -304,5 +321,7 @@ def test_hugepages_opt_out(monkeypatch):
         (zygote,) = _launch.helper_processes()[0]
         time.sleep(1.0)  # idle time in which it would have collapsed
         assert _anon_huge_kib(zygote) == 0
+        ctx = fastspawn.start_processes(workers.arena_region, nprocs=1)
+        assert ctx.return_values[0] == (0, 0, 0)  # arenas left where they were
     finally:
         fastspawn.stop_zygote()  # the next test's zygote gets the default

@@ -220,3 +220,10 @@ def gc_state(rank: int) -> tuple[int, int]:
     cycle.append(cycle)
     del cycle
     return gc.get_freeze_count(), gc.collect()
+
+
+def arena_region(rank: int) -> tuple[int, int, int]:
+    """The object-arena region this worker inherited from the zygote."""
+    from fastspawn import _hugepages
+
+    return _hugepages.arena_region()
