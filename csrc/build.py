@@ -44,7 +44,10 @@ ffibuilder.set_source(
     "fastspawn._core",
     '#include "fastspawn.h"',
     # setuptools wants paths relative to the project root.
-    sources=[f"csrc/{name}" for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "memory.c", "arena.c", "launch.c")],
+    sources=[
+        f"csrc/{name}"
+        for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "memory.c", "arena.c", "launch.c")
+    ],
     include_dirs=["csrc"],
     extra_compile_args=["-Wall", "-Wextra", "-O2"],
 )

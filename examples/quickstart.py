@@ -16,5 +16,5 @@ if __name__ == "__main__":
         nprocs=8,
         envs={rank: {"MY_RANK": str(rank)} for rank in range(8)},
     )
-    for rank, line in sorted(ctx.return_values.items()):
+    for _rank, line in sorted(ctx.return_values.items()):
         print(line)
