@@ -1,13 +1,16 @@
-"""What collapsing a process's heap into huge pages does to fork() and exit.
+"""What huge pages in a process's heap do to fork() and exit.
 
     python benchmarks/fork_cost.py [--module torch] [--rounds 5] [--children 32] [--json FILE]
 
-Each round runs two fresh interpreters, one after the other, both importing
-``--module``: one forks as is, the other first collapses its heap and arenas
-the way the fastspawn zygote does when idle.  Each forks ``--children``
-children that stop themselves at once (so the time is the fork alone), then
-kills them all with SIGKILL and reaps them (each child's exit tears its page
-tables down).  Reports per-child medians and the ratio.
+Each round runs three fresh interpreters, one after the other, each importing
+``--module``: "plain" forks as is; "collapsed" first collapses its heap and
+arenas the way the fastspawn zygote does when idle; "placed" also placed its
+object arenas in one aligned region before the import, as the zygote does
+from its first line (fastspawn._hugepages), then collapses.  Each forks
+``--children`` children that stop themselves at once (so the time is the
+fork alone), then kills them all with SIGKILL and reaps them (each child's
+exit tears its page tables down).  Reports per-child medians and the ratios
+to "plain".
 """
 
 from __future__ import annotations
@@ -22,15 +25,22 @@ import sys
 import time
 from typing import Any
 
+from _report import emit, kill_and_reap
 
-def measure(module: str, collapse: bool, children: int) -> dict[str, float]:
-    """In this process: import, maybe collapse, fork and kill ``children``."""
+KINDS = ("plain", "collapsed", "placed")
+
+
+def measure(module: str, kind: str, children: int) -> dict[str, float]:
+    """In this process: maybe place, import, maybe collapse, fork and kill
+    ``children``."""
+    from fastspawn import _hugepages
+
+    if kind == "placed":
+        _hugepages.place_arenas()
     __import__(module)
     collapsed = 0
-    if collapse:
-        from fastspawn import _server
-
-        collapsed = sum(_server._collapse(a) for a in _server._collapsible_ranges())
+    if kind != "plain":
+        collapsed = sum(_hugepages.collapse(a) for a in _hugepages.collapsible_ranges())
     with open("/proc/self/smaps_rollup") as f:
         rollup = {line.split(":")[0]: int(line.split()[1]) for line in f if "kB" in line}
     pids = []
@@ -42,14 +52,17 @@ def measure(module: str, collapse: bool, children: int) -> dict[str, float]:
             os._exit(0)
         pids.append(pid)
     t1 = time.perf_counter()
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    for pid in pids:
-        os.waitpid(pid, 0)
-    t2 = time.perf_counter()
+    time.sleep(0.2)  # all stopped
+
+    def kill() -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    wall, cpu = kill_and_reap(pids, kill)
     return {
         "fork_s": (t1 - t0) / children,
-        "kill_reap_s": (t2 - t1) / children,
+        "kill_reap_s": wall / children,
+        "teardown_cpu_s": cpu / children,
         "anonymous_kib": rollup["Anonymous"],
         "anon_huge_kib": rollup["AnonHugePages"],
         "collapsed_2mib": collapsed,
@@ -64,12 +77,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--children", type=int, default=32)
     parser.add_argument("--json")
-    parser.add_argument("--one", choices=["plain", "collapsed"], help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.module, args.one == "collapsed", args.children)))
+        print(json.dumps(measure(args.module, args.one, args.children)))
         return
-    samples: dict[str, list[dict[str, float]]] = {"plain": [], "collapsed": []}
+    samples: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for _ in range(args.rounds):
         for kind in samples:
             out = subprocess.run(
@@ -91,7 +104,8 @@ def main() -> None:
             s = samples[kind][-1]
             print(
                 f"  {kind:9} fork {s['fork_s'] * 1000:6.2f} ms  kill+reap "
-                f"{s['kill_reap_s'] * 1000:6.2f} ms  (huge {s['anon_huge_kib'] // 1024} "
+                f"{s['kill_reap_s'] * 1000:6.2f} ms  teardown CPU "
+                f"{s['teardown_cpu_s'] * 1000:6.2f} ms  (huge {s['anon_huge_kib'] // 1024} "
                 f"of {s['anonymous_kib'] // 1024} MiB anonymous)",
                 file=sys.stderr,
             )
@@ -107,14 +121,15 @@ def main() -> None:
         "children": args.children,
         "samples": samples,
         "medians": med,
-        "fork_ratio": med["plain"]["fork_s"] / med["collapsed"]["fork_s"],
-        "kill_reap_ratio": med["plain"]["kill_reap_s"] / med["collapsed"]["kill_reap_s"],
+        "ratios_to_plain": {
+            kind: {
+                key: med["plain"][key] / med[kind][key]
+                for key in ("fork_s", "kill_reap_s", "teardown_cpu_s")
+            }
+            for kind in KINDS[1:]
+        },
     }
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Scenarios (all by default):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import psutil  # noqa: E402
 import zygote_workers as zw  # noqa: E402
+from _report import emit  # noqa: E402
 
 import fastspawn  # noqa: E402
 from fastspawn import _launch, _oscall  # noqa: E402
@@ -408,11 +408,7 @@ def main() -> None:
         print(f"{name}:", file=sys.stderr)
         report[name] = SCENARIOS[name](args.rounds)
     fastspawn.stop_zygote()
-    text = json.dumps(report, indent=2)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(report, args.json)
 
 
 if __name__ == "__main__":
