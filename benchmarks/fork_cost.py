@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from _report import emit, kill_and_reap
+from _common import emit, kill_and_reap
 
 KINDS = ("plain", "collapsed", "placed")
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 
-from _report import emit, kill_and_reap
+from _common import emit, fork_sleepers, kill_and_reap
 
 EXTRA_MAPPINGS = 200
 ANON_MIB = 16
@@ -93,30 +93,12 @@ def _smaps_rollup() -> dict[str, int]:
 def measure(variant: str, children: int) -> dict[str, float]:
     """In this process: shape it, fork ``children`` sleepers, kill, reap."""
     import signal
-    import time
 
     keep = _prepare(variant)
     rollup = _smaps_rollup()
     with open("/proc/self/maps") as f:
         mappings = sum(1 for _ in f)
-    r, w = os.pipe()
-    pids: list[int] = []
-    for _ in range(children):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.write(w, b"x")
-                time.sleep(600)
-            finally:
-                os._exit(0)
-        os.setpgid(pid, pids[0] if pids else pid)
-        pids.append(pid)
-    os.close(w)
-    up = 0
-    while up < children:
-        up += len(os.read(r, children))
-    os.close(r)
-    time.sleep(0.3)  # all asleep
+    pids = fork_sleepers(children)
     wall, cpu = kill_and_reap(pids, lambda: os.killpg(pids[0], signal.SIGKILL))
     del keep
     return {

@@ -29,6 +29,7 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import struct
 import sys
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import psutil  # noqa: E402
 import zygote_workers as zw  # noqa: E402
-from _report import emit  # noqa: E402
+from _common import emit, fork_sleepers, kill_and_reap  # noqa: E402
 
 import fastspawn  # noqa: E402
 from fastspawn import _launch, _oscall  # noqa: E402
@@ -218,36 +219,9 @@ def bare_kill(n: int) -> float:
     forked from this interpreter in one process group, killed with one
     killpg(SIGKILL) and reaped.  Returns killpg to the last waitpid."""
     me = os.getpid()
-    r, w = os.pipe()
-    pids: list[int] = []
-    try:
-        for _ in range(n):
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    os.setpgid(0, pids[0] if pids else 0)
-                    _oscall.set_pdeathsig(9, me)
-                    os.write(w, b"x")
-                    time.sleep(600)
-                finally:
-                    os._exit(0)
-            os.setpgid(pid, pids[0] if pids else pid)
-            pids.append(pid)
-        os.close(w)
-        w = -1
-        up = 0
-        while up < n:
-            up += len(os.read(r, n))
-        time.sleep(0.3)
-        t0 = time.monotonic()
-        os.killpg(pids[0], 9)
-        for pid in pids:
-            os.waitpid(pid, 0)
-        return time.monotonic() - t0
-    finally:
-        os.close(r)
-        if w >= 0:
-            os.close(w)
+    pids = fork_sleepers(n, lambda: _oscall.set_pdeathsig(signal.SIGKILL, me))
+    wall, _cpu = kill_and_reap(pids, lambda: os.killpg(pids[0], signal.SIGKILL))
+    return wall
 
 
 def failure(rounds: int) -> dict[str, Any]:

@@ -119,15 +119,6 @@ def _kill_started(started: Started) -> None:
         os.close(pidfd)
 
 
-def _flush_std_streams() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            pass
-
-
 def _tracker_fd() -> int | None:
     """The resource tracker's fd if one is running (children then share it)."""
     from multiprocessing import resource_tracker
@@ -156,7 +147,7 @@ def _payload_memfd(data: bytes) -> int:
 def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     started: Started = []
     parent = os.getpid()
-    _flush_std_streams()
+    _worker.flush_std_streams()
     try:
         for rank in range(req.nprocs):
             pid = os.fork()
@@ -195,7 +186,7 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
     keep = [payload_fd, tx.fileno(), *collector.fds] + ([tracker] if tracker is not None else [])
     base_env = dict(os.environ)
     started: Started = []
-    _flush_std_streams()
+    _worker.flush_std_streams()
     try:
         for rank in range(req.nprocs):
             env = {**base_env, **req.envs.get(rank, {})}

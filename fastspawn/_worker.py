@@ -104,6 +104,17 @@ def run(rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socke
     return code
 
 
+def flush_std_streams() -> None:
+    """Flush sys.stdout and sys.stderr, whatever state they are in (before a
+    fork, before os._exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+
+
 def _finish(code: int, run_atexit: bool) -> NoReturn:
     """Run what multiprocessing runs at a worker's end, then exit."""
     try:
@@ -115,12 +126,7 @@ def _finish(code: int, run_atexit: bool) -> NoReturn:
             atexit._run_exitfuncs()
     except BaseException:
         _print_exc()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            pass
+    flush_std_streams()
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

@@ -9,6 +9,39 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+def fork_sleepers(n: int, setup: Callable[[], None] | None = None) -> list[int]:
+    """Fork ``n`` children of this process in one process group (led by the
+    first), each running ``setup`` and then sleeping; return their pids once
+    every one is asleep.  The caller kills and reaps them."""
+    r, w = os.pipe()
+    pids: list[int] = []
+    try:
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.setpgid(0, pids[0] if pids else 0)
+                    if setup is not None:
+                        setup()
+                    os.write(w, b"x")
+                    time.sleep(600)
+                finally:
+                    os._exit(0)
+            os.setpgid(pid, pids[0] if pids else pid)
+            pids.append(pid)
+        os.close(w)
+        w = -1
+        up = 0
+        while up < n:
+            up += len(os.read(r, n))
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    time.sleep(0.3)  # past the write: asleep
+    return pids
+
+
 def cpu_used_s(pids: Sequence[int]) -> float:
     """CPU time the live processes ``pids`` have used so far, summed."""
     total = 0
