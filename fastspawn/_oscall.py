@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NoReturn
 
 from fastspawn._core import ffi, lib
+
+TYPE_CHECKING = False  # not typing's: the zygote and its workers skip typing
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 
 def _raise_errno(call: str) -> NoReturn:

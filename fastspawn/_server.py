@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import logging
 import os
 import pickle
 import select
@@ -43,13 +42,16 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from fastspawn import _channel, _hugepages, _oscall, _pickling, _worker
 
-log = logging.getLogger(__name__)
+# Not typing.TYPE_CHECKING, and traceback only where a failure is reported:
+# every import here is one the zygote (and each worker, its copy) carries.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 # The arenas' region is placed before the zygote imports anything else.
 _ENTRY = _worker.entry_code(
@@ -266,7 +268,7 @@ class _Zygote:
             with _worker.read_payload(payload_fd) as payload:
                 fn, args = pickle.load(payload)
         except BaseException:
-            payload_error = traceback.format_exc()
+            payload_error = _worker.format_exc()
         finally:
             for fd in user_fds:
                 os.close(fd)  # unpickled objects hold their own dups
@@ -316,7 +318,7 @@ class _Zygote:
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)
         except BaseException:
-            launch.queue(-1, _channel.LAUNCH_FAILED, traceback.format_exc().encode())
+            launch.queue(-1, _channel.LAUNCH_FAILED, _worker.format_exc().encode())
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
             launch.live = len(pids)
@@ -442,7 +444,7 @@ def _import_all(modules: Sequence[str], strict: bool = False) -> None:
         except Exception:
             if strict:
                 raise
-            traceback.print_exc()
+            _worker.print_exc()
 
 
 _terminating = False

@@ -28,13 +28,13 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
-def _format_exc() -> str:
+def format_exc() -> str:
     import traceback
 
     return traceback.format_exc()
 
 
-def _print_exc() -> None:
+def print_exc() -> None:
     import traceback
 
     traceback.print_exc()
@@ -89,7 +89,7 @@ def run(rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socke
         code = _exit_code(exc)
         value = None
     except BaseException:
-        _channel.send(tx, rank, _channel.ERROR, _format_exc().encode("utf-8", "replace"))
+        _channel.send(tx, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
         code = 1
     if code == 0:
         try:
@@ -125,7 +125,7 @@ def _finish(code: int, run_atexit: bool) -> NoReturn:
         if run_atexit:
             atexit._run_exitfuncs()
     except BaseException:
-        _print_exc()
+        print_exc()
     flush_std_streams()
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
@@ -221,7 +221,7 @@ def forked_child(
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
-        _print_exc()
+        print_exc()
     _finish(code, run_atexit=False)
 
 
@@ -303,7 +303,7 @@ def spawn_main() -> NoReturn:
                 process.current_process().name = f"fastspawn-worker-{rank}"
                 fn, args = pickle.load(payload)
             except BaseException:
-                _channel.send(tx, rank, _channel.ERROR, _format_exc().encode())
+                _channel.send(tx, rank, _channel.ERROR, format_exc().encode())
             else:
                 for fd in _pickling.inherited_fds:
                     os.close(fd)  # the unpickled objects hold their own dups
@@ -311,5 +311,5 @@ def spawn_main() -> NoReturn:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
-        _print_exc()
+        print_exc()
     _finish(code, run_atexit=True)
