@@ -6,8 +6,9 @@ hundreds fails, that teardown is most of the time until the caller hears of
 it.  Memory in a huge page costs one entry per 2 MiB instead, and stays cheap
 after a write splits it back into 4 KiB entries (the kernel then handles the
 still-huge page in batches).  benchmarks/teardown_cost.py measures the
-slopes: about 1 us of teardown CPU per child for each mapping, 26 us for each
-MiB in 4 KiB pages, next to nothing in huge pages.  So the zygote
+slopes on a 2-core VM: 1.3-1.8 us of teardown CPU per child for each
+mapping, 22-26 us for each MiB in 4 KiB pages, under 1 us per MiB in huge
+pages.  So the zygote
 
 - places Python's object arenas in one 2 MiB-aligned region from its first
   line on (``place_arenas``), instead of wherever mmap puts each 1 MiB arena;

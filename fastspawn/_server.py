@@ -178,7 +178,7 @@ class _Zygote:
 
         Forking a torch-sized zygote and tearing its workers down then costs
         one page-table entry per 2 MiB instead of one per 4 KiB (with torch
-        loaded: fork 3.8x, exit 3.0x faster, benchmarks/README.md).  Each
+        loaded: fork 3.6x, teardown 3.3x cheaper, benchmarks/README.md).  Each
         stretch is copied (a few ms), so it happens only while the zygote is
         idle, one stretch at a time between polls, and only while no worker
         runs: a worker still sharing the old pages would keep them alive
