@@ -73,12 +73,24 @@ def address_space_limited() -> bool:
     return False
 
 
+def pymalloc_in_use() -> bool:
+    """Whether Python's object allocator takes arenas at all: not with
+    PYTHONMALLOC=malloc (or mimalloc, or their _debug forms), nor in a
+    free-threaded build (mimalloc throughout)."""
+    import sys
+
+    if "t" in getattr(sys, "abiflags", ""):
+        return False
+    chosen = os.environ.get("PYTHONMALLOC", "").strip()
+    return not chosen.startswith(("malloc", "mimalloc"))
+
+
 def place_arenas() -> bool:
     """Route this process's new object arenas into one aligned region
-    (csrc/arena.c), where huge pages are wanted and the address space is not
-    capped.  Call it while the process has a single thread.  False where it
-    was not done; nothing else changes then."""
-    if not wanted() or address_space_limited():
+    (csrc/arena.c), where huge pages are wanted, pymalloc is in use and the
+    address space is not capped.  Call it while the process has a single
+    thread.  False where it was not done; nothing else changes then."""
+    if not wanted() or not pymalloc_in_use() or address_space_limited():
         return False
     from fastspawn._core import lib
 

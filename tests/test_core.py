@@ -333,16 +333,24 @@ assert _hugepages.arena_region()[2] == 8 << 20
 
 
 def test_arena_region_takes_new_arenas_reuses_freed_ones_and_overflows_elsewhere():
-    done = subprocess.run([sys.executable, "-c", ARENA_CHECK], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONMALLOC": "pymalloc"}  # arenas, whatever the suite runs with
+    done = subprocess.run(
+        [sys.executable, "-c", ARENA_CHECK], env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(
     "env, limit",
-    [({"FASTSPAWN_HUGEPAGES": "0"}, None), ({}, 64 << 30)],
-    ids=["opted out", "ulimit -v"],
+    [
+        ({"FASTSPAWN_HUGEPAGES": "0"}, None),
+        ({}, 64 << 30),
+        ({"PYTHONMALLOC": "malloc"}, None),
+        ({"PYTHONMALLOC": "malloc_debug"}, None),
+    ],
+    ids=["opted out", "ulimit -v", "PYTHONMALLOC=malloc", "PYTHONMALLOC=malloc_debug"],
 )
-def test_arenas_stay_where_they_are_when_opted_out_or_address_space_capped(env, limit):
+def test_arenas_stay_where_they_are_when_opted_out_capped_or_without_pymalloc(env, limit):
     code = textwrap.dedent(
         f"""
         import resource

@@ -297,6 +297,7 @@ def test_idle_zygote_collapses_its_heap_into_huge_pages():
 
 
 @pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
+@pytest.mark.skipif(not _hugepages.pymalloc_in_use(), reason="pymalloc (its arenas) is off")
 def test_zygote_places_its_arenas_in_one_aligned_region_before_its_imports():
     fastspawn.stop_zygote()
     ctx = fastspawn.start_processes(workers.arena_region, nprocs=2, preload=["big_heap"])
