@@ -375,3 +375,25 @@ def test_address_space_is_unlimited_here():
     from fastspawn import _hugepages
 
     assert _hugepages.address_space_limited() is (soft != resource.RLIM_INFINITY)
+
+
+@pytest.mark.parametrize(
+    "abiflags, pythonmalloc, expected",
+    [
+        ("", None, True),
+        ("", "pymalloc_debug", True),
+        ("", "debug", True),
+        ("", "malloc", False),
+        ("", "mimalloc_debug", False),
+        ("t", None, False),  # free-threaded: mimalloc throughout
+    ],
+)
+def test_pymalloc_in_use(monkeypatch, abiflags, pythonmalloc, expected):
+    from fastspawn import _hugepages
+
+    monkeypatch.setattr(sys, "abiflags", abiflags, raising=False)
+    if pythonmalloc is None:
+        monkeypatch.delenv("PYTHONMALLOC", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONMALLOC", pythonmalloc)
+    assert _hugepages.pymalloc_in_use() is expected
