@@ -314,6 +314,17 @@ def test_zygote_places_its_arenas_in_one_aligned_region_before_its_imports():
     assert starts.get(base) == "rw-p"  # in use from its start on
 
 
+@pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
+def test_a_large_launch_collapses_the_zygote_before_forking():
+    # big_heap's ~20 MiB arrive with the launch: with no idle time before
+    # the fork, only collapsing first can hand them to workers as huge pages
+    # (the zygote's own collapsible memory is under 8 MiB).
+    fastspawn.stop_zygote()
+    nprocs = _server._COLLAPSE_BEFORE_FORKING
+    ctx = fastspawn.start_processes(workers.own_huge_kib, nprocs=nprocs, preload=["big_heap"])
+    assert ctx.return_values[0] >= 8 << 10, ctx.return_values[0]
+
+
 def test_hugepages_opt_out(monkeypatch):
     monkeypatch.setenv("FASTSPAWN_HUGEPAGES", "0")
     fastspawn.stop_zygote()
