@@ -221,11 +221,16 @@ class _Zygote:
         return fixed + list(self.channels)
 
     def serve(self) -> None:
+        collapsing = False
         while True:
-            # Idle time (nothing for 10 ms) goes to collapsing memory.
+            # Idle time (nothing for 10 ms) goes to collapsing memory, one
+            # stretch at a time with a look at the fds in between, until
+            # something happens.
             idle_work = bool(self.to_collapse) and not self.workers
-            events = self.epoll.poll(0.01 if idle_work else -1)
-            if not events and idle_work:
+            timeout = (0 if collapsing else 0.01) if idle_work else -1
+            events = self.epoll.poll(timeout)
+            collapsing = not events and idle_work
+            if collapsing:
                 self.collapse_when_idle()
                 continue
             for fd, _mask in events:
