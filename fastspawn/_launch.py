@@ -9,17 +9,15 @@ starts workers from a pool thread that may exit right after).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastspawn import _channel, _oscall, _pickling, _worker
@@ -37,23 +35,45 @@ DEFAULT_START_METHOD = "zygote"
 _SPAWN_ENTRY = _worker.entry_code("fastspawn._worker.spawn_main")
 
 
-@dataclass
 class LaunchRequest:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    nprocs: int
-    daemon: bool
-    start_method: str
-    envs: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
-    preload: Sequence[str] = ()
-    # rank -> (stdout fd, stderr fd) the worker gets as its fd 1 and 2
-    # (-1: the caller's).  The caller keeps ownership of these fds.
-    stdio: Mapping[int, tuple[int, int]] = field(default_factory=dict)
-    # zygote: put the launch's workers in a process group of their own
-    # (binary ranks call setsid() instead, which a group leader cannot).
-    process_group: bool = True
-    # Set by the zygote launch: the process group of the workers (0: none).
-    group: int = 0
+    """What to start.  (A plain class, not a dataclass: a main module that
+    imports fastspawn's launcher is imported by the zygote too, and
+    dataclasses brings inspect, ast and dis, 11 ms, into it and every
+    worker.)"""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        nprocs: int,
+        daemon: bool,
+        start_method: str,
+        envs: Mapping[int, Mapping[str, str]] | None = None,
+        preload: Sequence[str] = (),
+        stdio: Mapping[int, tuple[int, int]] | None = None,
+        process_group: bool = True,
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.nprocs = nprocs
+        self.daemon = daemon
+        self.start_method = start_method
+        self.envs: Mapping[int, Mapping[str, str]] = envs if envs is not None else {}
+        self.preload = preload
+        # rank -> (stdout fd, stderr fd) the worker gets as its fd 1 and 2
+        # (-1: the caller's).  The caller keeps ownership of these fds.
+        self.stdio: Mapping[int, tuple[int, int]] = stdio if stdio is not None else {}
+        # zygote: put the launch's workers in a process group of their own
+        # (binary ranks call setsid() instead, which a group leader cannot).
+        self.process_group = process_group
+        # Set by the zygote launch: the process group of the workers (0: none).
+        self.group = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"LaunchRequest(fn={self.fn!r}, nprocs={self.nprocs}, "
+            f"start_method={self.start_method!r}, group={self.group})"
+        )
 
 
 Started = list[tuple[int, int, bool]]
@@ -61,18 +81,42 @@ Started = list[tuple[int, int, bool]]
 
 # ------------------------------------------------------------ launcher thread
 
-_jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+
+class _Outcome:
+    """A job's result or exception, handed from the launcher thread to the
+    thread waiting for it.  (Not concurrent.futures: that import costs a
+    main module that imports fastspawn, and so the zygote, a few ms.)"""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def result(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+_jobs: collections.deque[tuple[Callable[[], Any], _Outcome]] = collections.deque()
+_jobs_ready = threading.Condition()
 _thread: threading.Thread | None = None
 _thread_lock = threading.Lock()
 
 
 def _launcher_loop() -> None:
     while True:
-        job, future = _jobs.get()
+        with _jobs_ready:
+            while not _jobs:
+                _jobs_ready.wait()
+            job, outcome = _jobs.popleft()
         try:
-            future.set_result(job())
+            outcome.value = job()
         except BaseException as exc:
-            future.set_exception(exc)
+            outcome.error = exc
+        outcome.done.set()
+        del job, outcome  # hold nothing of a finished job while waiting
 
 
 def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -87,15 +131,22 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                 target=_launcher_loop, name="fastspawn-launcher", daemon=True
             )
             _thread.start()
-    future: Future[T] = Future()
-    _jobs.put((lambda: fn(*args, **kwargs), future))
-    return future.result()
+    outcome = _Outcome()
+    with _jobs_ready:
+        _jobs.append((lambda: fn(*args, **kwargs), outcome))
+        _jobs_ready.notify()
+    value: T = outcome.result()
+    return value
 
 
 def _reset_after_fork() -> None:
-    global _thread, _server
+    global _thread, _server, _jobs_ready, _thread_lock
     _thread = None  # the launcher thread does not exist in a forked child
     _server = None  # nor is the fork server ours
+    # ...and it may have held these at the fork: fresh ones, no old jobs.
+    _jobs.clear()
+    _jobs_ready = threading.Condition()
+    _thread_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
