@@ -41,8 +41,7 @@ def measure(module: str, kind: str, children: int) -> dict[str, float]:
     collapsed = 0
     if kind != "plain":
         collapsed = sum(_hugepages.collapse(a) for a in _hugepages.collapsible_ranges())
-    with open("/proc/self/smaps_rollup") as f:
-        rollup = {line.split(":")[0]: int(line.split()[1]) for line in f if "kB" in line}
+    rollup = _hugepages.smaps_rollup()
     pids = []
     t0 = time.perf_counter()
     for _ in range(children):

@@ -85,17 +85,14 @@ def _prepare(variant: str) -> list[object]:
     return keep
 
 
-def _smaps_rollup() -> dict[str, int]:
-    with open("/proc/self/smaps_rollup") as f:
-        return {line.split(":")[0]: int(line.split()[1]) for line in f if line.endswith("kB\n")}
-
-
 def measure(variant: str, children: int) -> dict[str, float]:
     """In this process: shape it, fork ``children`` sleepers, kill, reap."""
     import signal
 
     keep = _prepare(variant)
-    rollup = _smaps_rollup()
+    from fastspawn._hugepages import smaps_rollup
+
+    rollup = smaps_rollup()
     with open("/proc/self/maps") as f:
         mappings = sum(1 for _ in f)
     pids = fork_sleepers(children)

@@ -46,6 +46,7 @@ from _common import emit, fork_sleepers, kill_and_reap  # noqa: E402
 import fastspawn  # noqa: E402
 from fastspawn import _launch, _oscall  # noqa: E402
 from fastspawn._bench import machine  # noqa: E402
+from fastspawn._hugepages import smaps_rollup  # noqa: E402
 
 # ------------------------------------------------------------ launch methods
 
@@ -205,15 +206,6 @@ def scaling(rounds: int) -> dict[str, Any]:
     return result
 
 
-def _anonymous_kib(pid: int) -> int:
-    """Anonymous memory of ``pid`` (what every forked child maps too)."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Anonymous:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no Anonymous line for {pid}")
-
-
 def bare_kill(n: int) -> float:
     """The machine's floor for the failure scenario: ``n`` sleeping children
     forked from this interpreter in one process group, killed with one
@@ -239,7 +231,7 @@ def failure(rounds: int) -> dict[str, Any]:
         deadline = time.monotonic() + 2.0  # every rank is up by then
         ctx = fastspawn.start_processes(zw.fail_one, (200, deadline, value), nprocs=256, join=False)
         zygote_pids, _ = _launch.helper_processes()
-        sizes["zygote_anonymous_kib"] = _anonymous_kib(next(iter(zygote_pids)))
+        sizes["zygote_anonymous_kib"] = smaps_rollup(next(iter(zygote_pids)))["Anonymous"]
         try:
             while not ctx.join(grace_period=0):
                 pass
@@ -250,7 +242,7 @@ def failure(rounds: int) -> dict[str, Any]:
         assert all(p.exitcode is not None for p in ctx.processes)
         out.append(raised - value.value)
         print(f"  fail 1 of 256    {out[-1] * 1000:9.1f} ms", file=sys.stderr)
-        sizes["bench_anonymous_kib"] = _anonymous_kib(os.getpid())
+        sizes["bench_anonymous_kib"] = smaps_rollup()["Anonymous"]
         floor.append(bare_kill(256))
         print(f"  bare killpg 256  {floor[-1] * 1000:9.1f} ms", file=sys.stderr)
     return {
@@ -303,14 +295,6 @@ def memory(rounds: int) -> dict[str, Any]:
     }
 
 
-def _anon_huge_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
-
-
 def torch_scenario(rounds: int) -> dict[str, Any]:
     """64 ranks of a torch-importing module, end to end, with torch preloaded
     in a fresh zygote each round that then idles 2 s (as while a program
@@ -337,7 +321,7 @@ def torch_scenario(rounds: int) -> dict[str, Any]:
                 del os.environ["FASTSPAWN_HUGEPAGES"]
             time.sleep(2.0)
             (zygote,) = _launch.helper_processes()[0]
-            huge_kib[kind].append(_anon_huge_kib(zygote))
+            huge_kib[kind].append(smaps_rollup(zygote)["AnonHugePages"])
             t0 = time.monotonic()
             fastspawn.spawn(torch_workers.entry_time, nprocs=64)
             samples[kind].append(time.monotonic() - t0)

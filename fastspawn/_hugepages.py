@@ -109,6 +109,13 @@ def arena_region() -> tuple[int, int, int]:
     return int(base[0]), int(size[0]), int(used[0])
 
 
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """The kB fields of /proc/PID/smaps_rollup (``Anonymous``,
+    ``AnonHugePages``, ...): how much of a process is in huge pages."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {line.split(":")[0]: int(line.split()[1]) for line in f if line.endswith("kB\n")}
+
+
 def collapsible_ranges() -> list[int]:
     """Start addresses of the 2 MiB-aligned stretches of private anonymous
     memory (the malloc heap, the arena region, other arenas)."""

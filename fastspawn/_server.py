@@ -175,9 +175,9 @@ class _Zygote:
         if _hugepages.wanted():
             self.to_collapse = _hugepages.collapsible_ranges()
 
-    def collapse_when_idle(self) -> bool:
-        """Collapse one queued stretch into a huge page, if nothing else is
-        to be done; True if there may be more.
+    def collapse_when_idle(self) -> None:
+        """Collapse one queued stretch into a huge page (serve() calls this
+        when nothing else is to be done and no worker runs).
 
         Forking a torch-sized zygote and tearing its workers down then costs
         one page-table entry per 2 MiB instead of one per 4 KiB (with torch
@@ -187,15 +187,12 @@ class _Zygote:
         runs: a worker still sharing the old pages would keep them alive
         beside the new ones.
         """
-        if not self.to_collapse or self.workers:
-            return False
         # Failures are mostly quick (a stretch nothing was written to yet):
         # go on to the next one, for up to 5 ms.
         deadline = time.monotonic() + 0.005
         while self.to_collapse and not _hugepages.collapse(self.to_collapse.pop()):
             if time.monotonic() > deadline:
                 break
-        return bool(self.to_collapse)
 
     def collapse_now(self) -> None:
         """Collapse what is still queued, before a large launch forks.

@@ -254,19 +254,7 @@ def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatc
 
 
 def _anon_huge_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _thp_off() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" in f.read()
-    except OSError:
-        return True
+    return _hugepages.smaps_rollup(pid)["AnonHugePages"]
 
 
 def test_workers_skip_the_zygotes_objects_in_gc_but_collect_their_own():
@@ -276,7 +264,7 @@ def test_workers_skip_the_zygotes_objects_in_gc_but_collect_their_own():
         assert collected >= 1  # the worker's own cycle
 
 
-@pytest.mark.skipif(_thp_off(), reason="transparent huge pages are off on this machine")
+@pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
 def test_idle_zygote_collapses_its_heap_into_huge_pages():
     fastspawn.stop_zygote()
     # A huge page may be unavailable for a moment (memory fragmented): a

@@ -232,8 +232,6 @@ def arena_region(rank: int) -> tuple[int, int, int]:
 def own_huge_kib(rank: int) -> int:
     """This worker's memory still mapped as huge pages (shared with the
     zygote as it was when this worker was forked)."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
+    from fastspawn import _hugepages
+
+    return _hugepages.smaps_rollup()["AnonHugePages"]
