@@ -1,9 +1,11 @@
-"""Leak checks for every test: no child process, zombie or fd may remain."""
+"""Leak checks for every test: no child process, zombie, fd or temp file may remain."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -42,12 +44,46 @@ def _helpers() -> tuple[set[int], set[int]]:
     return pids, fds
 
 
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
-    """Fail a test that leaves a child, a zombie or an fd behind.
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Point TMPDIR (ours and every child's) at a directory of the run's own.
 
-    Leftover children are killed (by pid, only ours) and reaped first, so one
-    leaky test does not spill into the next.
+    What the code under test leaves in the temp directory then shows up there,
+    apart from other users' files; pytest's own tmp_path root is fixed first so
+    it stays where pytest keeps it.
+    """
+    tmp_path_factory.getbasetemp()
+    folder = tempfile.mkdtemp(prefix="fastspawn-tests-")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = folder
+    try:
+        yield folder
+    finally:
+        if saved[0] is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(private_tmpdir: str) -> Iterator[None]:
+    """Fail a test that leaves a child, a zombie, an fd or a temp file behind.
+
+    Leftover children are killed (by pid, only ours) and reaped first, and
+    leftover temp files removed, so one leaky test does not spill into the next.
     """
     before_children = set(_children())
     before_fds = set(_fds())
@@ -63,7 +99,8 @@ def no_leaks() -> Iterator[None]:
         # Descendants of the fork server are its workers: ours to check too,
         # but the server itself is shared infrastructure.
         fds = {fd: target for fd, target in _fds().items() if fd not in before_fds | helper_fds}
-        if (not left and not fds) or time.monotonic() > deadline:
+        temp = sorted(os.listdir(private_tmpdir))
+        if (not left and not fds and not temp) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     described = []
@@ -83,7 +120,11 @@ def no_leaks() -> Iterator[None]:
             os.close(fd)
         except OSError:
             pass
+    for name in temp:
+        _remove(os.path.join(private_tmpdir, name))
     problems = []
+    if temp:
+        problems.append(f"temp files left behind in {private_tmpdir}: {temp}")
     if described:
         problems.append(f"processes left behind: {described}")
     if fds:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -75,6 +79,19 @@ def test_env_contract(tmp_path):
     assert [row[:6] + row[7:] for row in rows] == [
         [str(r), str(r), "3", "3", "0", "127.0.0.1", "0"] for r in range(3)
     ]
+    # Without --log-dir the logs go to a new private temp directory, named on
+    # stderr and kept for the user to read (ours to remove here).
+    (log_dir,) = re.findall(r"^fastspawn run: logs in (\S+)$", done.stderr, re.M)
+    try:
+        assert os.path.dirname(log_dir) == tempfile.gettempdir()
+        assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
+        for rank in range(3):
+            log = os.path.join(log_dir, "attempt_0", str(rank), "stdout.log")
+            assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
+            with open(log) as f:
+                assert f.read().split()[:2] == [str(rank), str(rank)]
+    finally:
+        shutil.rmtree(log_dir)
 
 
 def test_env_contract_multi_node_flags(tmp_path):
@@ -98,6 +115,8 @@ def test_env_contract_multi_node_flags(tmp_path):
         "29511",
         "--tee",
         "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
         prog,
     )
     assert done.returncode == 0, done.stderr
@@ -263,11 +282,13 @@ def test_two_nodes_form_one_gloo_group(tmp_path):
         port,
         "--tee",
         "1",
-        prog,
     ]
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "fastspawn", "run", "--node-rank", str(r), *common],
+            [
+                *(sys.executable, "-m", "fastspawn", "run", "--node-rank", str(r)),
+                *(*common, "--log-dir", str(tmp_path / f"logs{r}"), prog),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
