@@ -21,7 +21,7 @@ from fastspawn._errors import (
     signal_name,
 )
 from fastspawn._pickling import describe_unpicklable
-from fastspawn._process import Process
+from fastspawn._process import Process, running_among
 
 log = logging.getLogger(__name__)
 
@@ -189,16 +189,16 @@ class ProcessContext:
     def _stop_all(self, grace_period: float | None) -> None:
         if grace_period is not None:
             self._wait_all(grace_period)
-        # running(), not is_alive(): the latter would wait for the exit status
-        # of each worker that just died, one after the other.
+        # running_among(), not is_alive(): the latter would wait for the exit
+        # status of each worker that just died, one after the other.
         # Signal first, log after: hundreds of log records would otherwise
         # delay the signal by milliseconds.
-        live = [proc for proc in self._pending.values() if proc.running()]
+        live = running_among(self._pending.values())
         self._signal_all(live, signal.SIGTERM)
         for proc in live:
             log.warning("Terminating process %s via signal SIGTERM", proc.pid)
         self._wait_all(30 if grace_period is None else grace_period)
-        live = [proc for proc in self._pending.values() if proc.running()]
+        live = running_among(self._pending.values())
         self._signal_all(live, signal.SIGKILL)
         for proc in live:
             log.warning(
@@ -211,7 +211,7 @@ class ProcessContext:
         """Send ``sig`` (if given) to every worker still running, wait for
         them all, then release every fd: the last step of every way out."""
         if sig is not None:
-            self._signal_all([proc for proc in self.processes if proc.running()], sig)
+            self._signal_all(running_among(self.processes), sig)
         for proc in self.processes:
             proc.join()
         self._pending.clear()

@@ -8,7 +8,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from fastspawn import _oscall
 from fastspawn._channel import Receiver
@@ -29,6 +29,16 @@ def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
         return [fd for fd, _ in poller.poll(ms)]
     except InterruptedError:
         return []
+
+
+def running_among(procs: Iterable[Process]) -> list[Process]:
+    """The workers among ``procs`` that still run, without waiting for (or
+    collecting) exit statuses: what stopping hundreds of workers needs.  One
+    poll(2) over their pidfds; a poll per worker took 1-4 ms for 255, on the
+    path from a failure to the signal."""
+    candidates = [proc for proc in procs if proc._exitcode is None and proc._pidfd >= 0]
+    gone = set(wait_readable([proc._pidfd for proc in candidates], 0))
+    return [proc for proc in candidates if proc._pidfd not in gone]
 
 
 class Process:
@@ -78,11 +88,6 @@ class Process:
 
     def is_alive(self) -> bool:
         return self.exitcode is None
-
-    def running(self) -> bool:
-        """Whether the worker still runs, without waiting for (or collecting)
-        its exit status: what a stop loop over hundreds of workers needs."""
-        return self._exitcode is None and self._pidfd >= 0 and not self._exited()
 
     def _exited(self) -> bool:
         """Whether the pidfd polls readable (the worker is gone, maybe unreaped)."""
