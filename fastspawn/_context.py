@@ -10,7 +10,7 @@ import signal
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from fastspawn import _launch, _oscall
@@ -47,7 +47,9 @@ class ProcessContext:
 
     Attributes:
         processes: one :class:`fastspawn.Process` per rank.
-        return_values: ``{rank: value}`` once every rank succeeded.
+        return_values: ``{rank: value}`` of every rank that returned, once
+            all are reaped (after a failure too: the ranks that finished
+            before it keep their values).
     """
 
     def __init__(
@@ -72,6 +74,9 @@ class ProcessContext:
             self._pending[proc.rank] = proc
             proc.on_close = self._forget
         self._failed = False
+        # After a failure: the other ranks that ended badly (stopped by the
+        # signal, say), by rank, each raised by one more join() as torch does.
+        self._unreported: list[int] = []
         _live_contexts.add(self)
 
     def __repr__(self) -> str:
@@ -102,13 +107,18 @@ class ProcessContext:
 
         Returns:
             True once every worker exited successfully (and on every later
-            call); False while some still run.
+            call); False while some still run.  After a failure, as in torch,
+            each later call raises for one more rank that ended badly (the
+            ones stopped because of the failure, in rank order), and only
+            then returns True.
 
         Raises:
             ProcessRaisedException: a worker raised; the message ends with its
                 traceback.
             ProcessExitedException: a worker exited non-zero or was killed.
         """
+        if self._unreported:
+            raise self._exception(self._unreported.pop(0))
         if not self._pending:
             self._finish()
             return True
@@ -127,6 +137,11 @@ class ProcessContext:
             return True
         self._failed = True
         self._stop_all(grace_period)
+        self._unreported = [
+            proc.rank
+            for proc in self.processes
+            if proc.rank != failed.rank and (proc.rank in errors or proc.exitcode != 0)
+        ]
         raise self._exception(failed.rank)
 
     def _collect(self, timeout: float | None) -> list[Process]:
@@ -261,17 +276,27 @@ class ProcessContext:
             return
         self._receiver.drain()
         reports = self._receiver.reports
-        if not self._failed:
-            for rank in range(len(self.processes)):
-                if rank in reports.results:
+        for rank in range(len(self.processes)):
+            if rank in reports.results:
+                try:
                     self.return_values[rank] = pickle.loads(reports.results[rank])
-                elif rank in reports.unpicklable:
+                except Exception:
+                    if not self._failed:
+                        raise
+                    # The failure is what the caller must hear of.
                     log.warning(
-                        "rank %d returned a value that cannot be pickled (%s); "
-                        "it is missing from return_values",
+                        "rank %d returned a value that could not be unpickled; it is "
+                        "missing from return_values",
                         rank,
-                        reports.unpicklable[rank],
+                        exc_info=True,
                     )
+            elif rank in reports.unpicklable:
+                log.warning(
+                    "rank %d returned a value that cannot be pickled (%s); "
+                    "it is missing from return_values",
+                    rank,
+                    reports.unpicklable[rank],
+                )
         for proc in self.processes:
             proc.on_close = None
             if proc._exitcode is not None:
@@ -321,10 +346,10 @@ def _check_nprocs(nprocs: Any) -> int:
         raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
     if nprocs == -1:
         return _usable_cpus()
-    if nprocs < 1:
+    if nprocs < 0:
         raise ValueError(
-            f"nprocs must be a positive number of processes (or -1 for one per usable CPU), "
-            f"got {nprocs}"
+            f"nprocs must be a number of processes, 0 or more (or -1 for one per usable "
+            f"CPU), got {nprocs}"
         )
     return nprocs
 
@@ -450,8 +475,14 @@ def start_processes(
     nprocs = _check_nprocs(nprocs)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r:.80}")
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    if isinstance(args, (str, bytes, bytearray, Mapping, Set)) or not isinstance(args, Iterable):
+        # torch would unpack a string into characters, a dict into its keys:
+        # (x) or {...} where (x,) was meant.
+        raise TypeError(
+            f"args must be a tuple of fn's arguments after the rank, got "
+            f"{type(args).__name__} {args!r:.80}; for one argument write args=(x,)"
+        )
+    args = tuple(args)
     if start_method not in _launch.START_METHODS:
         raise ValueError(
             f"unknown start_method {start_method!r}; choose one of "
@@ -466,16 +497,23 @@ def start_processes(
     if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
         log.debug("%s=1: fastspawn launches concurrently anyway", ENV_VAR_PARALLEL_START)
 
-    request = _launch.LaunchRequest(
-        fn=fn,
-        args=tuple(args),
-        nprocs=nprocs,
-        daemon=bool(daemon),
-        start_method=start_method,
-        envs=checked_envs,
-        preload=preload_list,
-    )
-    context = launch_context(request)
+    if nprocs == 0:
+        # torch starts nothing and returns (spawn(fn, nprocs=device_count())
+        # on a machine without GPUs, say): an empty context.
+        rx_sock, tx = channel_pair()
+        tx.close()
+        context = ProcessContext([], Receiver(rx_sock), daemon=bool(daemon))
+    else:
+        request = _launch.LaunchRequest(
+            fn=fn,
+            args=args,
+            nprocs=nprocs,
+            daemon=bool(daemon),
+            start_method=start_method,
+            envs=checked_envs,
+            preload=preload_list,
+        )
+        context = launch_context(request)
     if not join:
         return context
     try:

@@ -24,10 +24,19 @@ def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
     return fastspawn.start_processes(fn, args, nprocs=nprocs, start_method=start_method, **kwargs)
 
 
-@pytest.mark.parametrize("nprocs", [0, -2, -100])
+@pytest.mark.parametrize("nprocs", [-2, -100])
 def test_bad_nprocs_value(nprocs):
-    with pytest.raises(ValueError, match=f"nprocs must be a positive number.*got {nprocs}"):
+    with pytest.raises(ValueError, match=f"nprocs must be a number of processes.*got {nprocs}"):
         start(workers.succeed, nprocs=nprocs)
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_nprocs_zero_starts_nothing(join):
+    # As torch: spawn(fn, nprocs=torch.cuda.device_count()) on a CPU machine.
+    ctx = fastspawn.start_processes(workers.succeed, nprocs=0, join=join)
+    assert ctx.processes == [] and ctx.pids() == []
+    assert ctx.join() is True and ctx.join() is True
+    assert ctx.return_values == {}
 
 
 @pytest.mark.parametrize("nprocs", ["2", 2.0, None, True])
@@ -64,14 +73,15 @@ def test_fork_takes_unpicklable_fn():
     assert ctx.return_values == {0: 0, 1: 3}
 
 
-@pytest.mark.parametrize("args", [5, "ab", {"a": 1}, None])
-def test_args_must_be_tuple_or_list(args):
-    with pytest.raises(TypeError, match="args must be a tuple or list"):
+@pytest.mark.parametrize("args", [5, "ab", b"ab", {"a": 1}, {1}, None])
+def test_args_must_be_a_sequence_of_arguments(args):
+    with pytest.raises(TypeError, match=r"args must be a tuple of fn's arguments.*args=\(x,\)"):
         start(workers.succeed, args)
 
 
-def test_args_list_accepted():
-    ctx = start(workers.sleep_for, [0.0], nprocs=2, start_method="fork")
+@pytest.mark.parametrize("args", [[0.0], range(0, 1), iter([0.0])], ids=["list", "range", "iter"])
+def test_args_any_iterable_accepted(args):
+    ctx = start(workers.sleep_for, args, nprocs=2, start_method="fork")
     assert ctx.return_values == {0: None, 1: None}
 
 

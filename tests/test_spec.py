@@ -205,3 +205,29 @@ def test_raised_rank_keeps_its_exit_code_and_the_others_are_stopped(start_method
     assert ctx.processes[0].exitcode == 1
     assert [p.exitcode for p in ctx.processes[1:]] == [-signal.SIGTERM] * 2
     assert all(gone(pid) for pid in ctx.pids())
+
+
+def test_later_joins_raise_for_the_stopped_ranks_then_true(start_method):
+    # torch: each later join() raises for one more rank that ended badly,
+    # here the two stopped by SIGTERM, before join() returns True.
+    ctx = start(workers.raise_on, (0, 30.0), nprocs=3, join=False, start_method=start_method)
+    with pytest.raises(fastspawn.ProcessRaisedException):
+        while not ctx.join(timeout=60):
+            pass
+    for rank in (1, 2):
+        with pytest.raises(fastspawn.ProcessExitedException) as info:
+            ctx.join()
+        assert info.value.error_index == rank
+        assert str(info.value) == f"process {rank} terminated with signal SIGTERM"
+    assert ctx.join() is True and ctx.join() is True
+
+
+def test_ranks_that_returned_before_a_failure_keep_their_values(start_method):
+    # paddle: each rank's return value is retrievable, a failure elsewhere
+    # notwithstanding.  Rank 0 returns at once, rank 1 raises after 0.1 s.
+    ctx = start(workers.return_or_raise, nprocs=2, join=False, start_method=start_method)
+    with pytest.raises(fastspawn.ProcessRaisedException) as info:
+        while not ctx.join(timeout=60):
+            pass
+    assert info.value.error_index == 1
+    assert ctx.return_values == {0: None}
