@@ -62,6 +62,22 @@ def unpack_statuses(body: bytes) -> list[int]:
     return values.tolist()
 
 
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """One message and the fds that came with it, close-on-exec (a binary a
+    worker becomes must not inherit them), and the message flags.
+
+    Not socket.recv_fds: it takes a flags argument but does not pass it on
+    (CPython 3.10-3.13)."""
+    data, ancdata, msg_flags, _addr = sock.recvmsg(
+        bufsize, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC
+    )
+    fds = array.array("i")
+    for level, ctype, cdata in ancdata:
+        if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+    return data, list(fds), msg_flags
+
+
 class Reports:
     """What the caller has read so far from one launch's channel.
 
@@ -114,14 +130,7 @@ class Receiver:
             self.sock.setblocking(False)
 
     def _read_one(self) -> bool:
-        fds_space = socket.CMSG_SPACE(MAX_FDS * 4)
-        data, ancdata, _flags, _addr = self.sock.recvmsg(HEADER.size + CHUNK, fds_space)
-        fds: list[int] = []
-        for level, ctype, cdata in ancdata:
-            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
-                fd_array = array.array("i")
-                fd_array.frombytes(cdata[: len(cdata) - (len(cdata) % fd_array.itemsize)])
-                fds.extend(fd_array)
+        data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
         if not data:
             for fd in fds:
                 os.close(fd)
@@ -134,6 +143,14 @@ class Receiver:
             pids = unpack_statuses(body)
             for i, pid in enumerate(pids):
                 r.pids[rank + i] = (pid, fds[i] if i < len(fds) else -1)
+            if len(fds) < len(pids) and r.launch_failed is None:
+                # The kernel dropped the fds it could not install here.
+                why = ": out of file descriptors" if msg_flags & socket.MSG_CTRUNC else ""
+                r.launch_failed = (
+                    f"the workers' pidfds did not arrive ({len(pids) - len(fds)} of "
+                    f"{len(pids)} missing{why}); raise the limit on open files "
+                    "(ulimit -n) or start fewer ranks"
+                )
             return True
         for fd in fds:  # no other kind carries fds
             os.close(fd)

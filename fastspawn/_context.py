@@ -9,7 +9,6 @@ import pickle
 import signal
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
@@ -37,7 +36,9 @@ _DEPRECATED_OPTIONS = (
     "use_paddlecloud",
 )
 
-_live_contexts: weakref.WeakSet[ProcessContext] = weakref.WeakSet()
+# Contexts whose workers are not all reaped, held (as multiprocessing holds
+# its children) so that a context dropped unjoined is still shut down at exit.
+_live_contexts: set[ProcessContext] = set()
 
 _CHANNEL = 1 << 62  # the waiter token of the report channel (ranks are the others)
 
@@ -53,10 +54,16 @@ class ProcessContext:
     """
 
     def __init__(
-        self, processes: list[Process], receiver: Receiver, daemon: bool = False, group: int = 0
+        self,
+        processes: list[Process],
+        receiver: Receiver,
+        daemon: bool = False,
+        group: int = 0,
+        watched_groups: Sequence[int] = (),
     ) -> None:
         self.processes = processes
         self._group = group  # process group of the workers (zygote), 0: none
+        self._watched_groups = list(watched_groups)  # see LaunchRequest
         self.return_values: dict[int, Any] = {}
         self.daemon = daemon
         self._receiver = receiver
@@ -149,6 +156,7 @@ class ProcessContext:
         not O(nprocs)); return the pending workers found exited, in the
         order seen, and forget them.  Drains the report channel on the way."""
         assert self._waiter is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._reaped_elsewhere:
             ready, self._reaped_elsewhere = self._reaped_elsewhere, []
         else:
@@ -164,7 +172,10 @@ class ProcessContext:
             proc = self._pending.get(token)
             if proc is None:
                 continue
-            if self._raised(proc) or proc.exitcode is not None:
+            raised = self._raised(proc)
+            if not raised:
+                proc._poll(deadline)
+            if raised or proc._exitcode is not None:
                 del self._pending[token]
                 exited.append(proc)
         return exited
@@ -240,9 +251,10 @@ class ProcessContext:
         if self._group and procs:
             try:
                 os.killpg(self._group, sig)
-                return
             except (ProcessLookupError, PermissionError):
                 pass
+        # One by one too (after the group, so the signal reaches most of them
+        # at once): a worker may have left the group (setsid(), setpgid()).
         for proc in procs:
             proc._signal(sig)
 
@@ -304,7 +316,7 @@ class ProcessContext:
         self._waiter.close()
         self._waiter = None
         self._receiver.close()
-        _launch.forget_group(self._group)
+        _launch.forget_groups(self._watched_groups)
         _live_contexts.discard(self)
 
     def _shutdown_at_exit(self) -> None:
@@ -319,6 +331,15 @@ class SpawnContext(ProcessContext):
     def __init__(self, processes: list[Process], receiver: Receiver, daemon: bool = False) -> None:
         warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
         super().__init__(processes, receiver, daemon)
+
+
+def _forget_in_child() -> None:
+    # A process forked from ours (os.fork(), a "fork" worker) must not shut
+    # our workers down at its exit, nor read their reports.
+    _live_contexts.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register
@@ -424,11 +445,25 @@ def launch_context(request: _launch.LaunchRequest) -> ProcessContext:
         raise
     finally:
         tx.close()
-    processes = [
-        Process(rank, pid, pidfd, receiver, is_child)
-        for rank, (pid, pidfd, is_child) in enumerate(started)
-    ]
-    return ProcessContext(processes, receiver, daemon=request.daemon, group=request.group)
+    try:
+        processes = [
+            Process(rank, pid, pidfd, receiver, is_child)
+            for rank, (pid, pidfd, is_child) in enumerate(started)
+        ]
+        return ProcessContext(
+            processes,
+            receiver,
+            daemon=request.daemon,
+            group=request.group,
+            watched_groups=request.watched_groups,
+        )
+    except BaseException:
+        # Out of fds for the epoll set, say: the workers run, and nothing
+        # would watch them.
+        _launch.kill_started(started)
+        _launch.forget_groups(request.watched_groups)
+        receiver.close()
+        raise
 
 
 def start_processes(

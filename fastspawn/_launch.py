@@ -68,6 +68,9 @@ class LaunchRequest:
         self.process_group = process_group
         # Set by the zygote launch: the process group of the workers (0: none).
         self.group = 0
+        # Set by the zygote launch: the process groups to kill should the
+        # zygote die (the launch's group, or each binary rank's session).
+        self.watched_groups: list[int] = []
 
     def __repr__(self) -> str:
         return (
@@ -142,7 +145,12 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 def _reset_after_fork() -> None:
     global _thread, _server, _jobs_ready, _thread_lock
     _thread = None  # the launcher thread does not exist in a forked child
-    _server = None  # nor is the fork server ours
+    if _server is not None:
+        # Nor is the zygote ours.  Its control socket must not stay open
+        # here: the zygote stops at that socket's EOF, which a forked child
+        # (a "fork" worker, say) holding a copy would delay until it exits.
+        _server.forget_in_child()
+    _server = None
     # ...and it may have held these at the fork: fresh ones, no old jobs.
     _jobs.clear()
     _jobs_ready = threading.Condition()
@@ -155,9 +163,11 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 # ------------------------------------------------------------------- helpers
 
 
-def _kill_started(started: Started) -> None:
+def kill_started(started: Started) -> None:
     """Undo a launch that failed half-way: kill and reap what did start."""
     for _pid, pidfd, is_child in started:
+        if pidfd < 0:
+            continue  # its pidfd never arrived: the zygote kills it
         try:
             _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
         except ProcessLookupError:
@@ -216,7 +226,7 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
                 )
             started.append((pid, _oscall.pidfd_open(pid), True))
     except BaseException:
-        _kill_started(started)
+        kill_started(started)
         raise
     return started
 
@@ -253,7 +263,7 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
             )
             started.append((pid, pidfd, True))
     except BaseException:
-        _kill_started(started)
+        kill_started(started)
         raise
     finally:
         os.close(payload_fd)
@@ -302,7 +312,20 @@ def stop_server() -> None:
             _server = None
 
 
+def current_dir() -> str:
+    """os.getcwd(), or an error that says what to do when it is gone."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            2,
+            "the current directory was deleted; workers start in the caller's current "
+            "directory, so os.chdir() to one that exists before starting them",
+        ) from None
+
+
 def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+    cwd = current_dir()
     collector = _pickling.FdCollector()
     payload_fd = _payload_memfd(_pickling.dumps([(req.fn, req.args)], collector))
     tracker = _tracker_fd()
@@ -316,7 +339,7 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         "nprocs": req.nprocs,
         "daemon": req.daemon,
         "env": dict(os.environ),
-        "cwd": os.getcwd(),
+        "cwd": cwd,
         "envs": {rank: dict(env) for rank, env in req.envs.items()},
         "tracker_index": tracker_index,
         "process_group": req.process_group,
@@ -352,12 +375,40 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         # EOF is how we learn it.
         tx.close()
     reports = rx.reports
-    while len(reports.pids) < req.nprocs and reports.launch_failed is None:
-        if not rx.read_blocking(None) and reports.eof:
-            break
+
+    def watch_new_groups() -> None:
+        # As the pids arrive, not once all have: should the zygote die in
+        # the middle of the launch, the children of the ranks up already
+        # must go too.  Rank 0 leads the launch's group; a binary rank leads
+        # a session of its own (a pid that never became a group: no harm).
+        ranks = [0] if req.process_group else sorted(reports.pids)
+        new = [reports.pids[r][0] for r in ranks if r in reports.pids]
+        new = [g for g in new if g not in req.watched_groups]
+        if new:
+            req.watched_groups += new
+            with server.lock:
+                server.groups.update(new)
+
+    try:
+        while len(reports.pids) < req.nprocs and reports.launch_failed is None:
+            if not rx.read_blocking(None) and reports.eof:
+                break
+            watch_new_groups()
+    except BaseException:
+        # Ctrl-C, say: kill what we heard of (pidfds already queued on the
+        # channel included).  Ranks forked after this go when the zygote
+        # finds the channel closed before their pidfds were through.
+        try:
+            rx.drain()
+        finally:
+            kill_started([reports.pids[rank] + (False,) for rank in sorted(reports.pids)])
+            reports.pids.clear()
+            forget_groups(req.watched_groups)
+        raise
     started: Started = [reports.pids[rank] + (False,) for rank in sorted(reports.pids)]
     if reports.launch_failed is not None or len(started) < req.nprocs:
-        _kill_started(started)
+        kill_started(started)
+        forget_groups(req.watched_groups)
         why = reports.launch_failed or (
             "the zygote died during the launch; what it printed on stderr says why "
             "(a __main__ that starts processes without an `if __name__ == '__main__':` "
@@ -366,8 +417,6 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
     if req.process_group and started:
         req.group = started[0][0]
-        with server.lock:
-            server.groups.add(req.group)
     return started
 
 
@@ -382,18 +431,20 @@ _METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]]
 def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     """Start every rank of ``req``; on failure nothing is left running."""
     _oscall.require_pidfds()
+    if req.start_method != "fork":
+        current_dir()  # spawn-like workers start there: a clear error if it is gone
     method = _METHODS[req.start_method]
     if req.start_method in ("zygote", "forkserver"):
         return method(req, tx, rx)  # the zygote does the forking
     return on_launcher_thread(method, req, tx, rx)
 
 
-def forget_group(group: int) -> None:
-    """A launch's workers are all reaped: its group needs no cleanup now."""
+def forget_groups(groups: Sequence[int]) -> None:
+    """A launch's workers are all reaped: its groups need no cleanup now."""
     server = _server
-    if server is not None and group:
+    if server is not None and groups:
         with server.lock:
-            server.groups.discard(group)
+            server.groups.difference_update(groups)
 
 
 def helper_processes() -> tuple[set[int], set[int]]:

@@ -120,10 +120,11 @@ class Waiter:
     """
 
     def __init__(self) -> None:
+        self._epfd: int = -1  # for __del__, should epoll_create1 fail
         fd = lib.fs_waiter_new()
         if fd < 0:
             _raise_errno("epoll_create1")
-        self._epfd: int = int(fd)
+        self._epfd = int(fd)
         self._count = 0
         self._buf: Any = ffi.new("uint64_t[]", 64)
 

@@ -93,8 +93,9 @@ class Process:
         """Whether the pidfd polls readable (the worker is gone, maybe unreaped)."""
         return bool(wait_readable([self._pidfd], 0))
 
-    def _poll(self) -> None:
-        """Collect the exit status if the worker has exited; never blocks long."""
+    def _poll(self, deadline: float | None = None) -> None:
+        """Collect the exit status if the worker has exited.  Waits for the
+        zygote's word of it until ``deadline`` (time.monotonic()) at most."""
         if self._exitcode is not None or self._pidfd < 0:
             return
         self._receiver.drain()
@@ -109,12 +110,15 @@ class Process:
             # the channel's end if the zygote itself died (its workers then
             # die too, closing the channel).  The deadline only guards
             # against a wedged zygote.
-            deadline = time.monotonic() + 60.0
+            give_up = time.monotonic() + 60.0
+            until = give_up if deadline is None else min(deadline, give_up)
             while self.rank not in reports.exits and not reports.eof:
-                left = deadline - time.monotonic()
+                left = until - time.monotonic()
                 if left <= 0 or not self._receiver.read_blocking(left):
                     break
                 self._receiver.drain()
+            if self.rank not in reports.exits and until < give_up and not reports.eof:
+                return  # the caller's time ran out first: still unknown
             if self.rank not in reports.exits:
                 log.error(
                     "no exit status came for worker %d (pid %d): the fastspawn zygote "
@@ -133,7 +137,10 @@ class Process:
     def join(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` seconds for the worker to exit, and reap it."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.exitcode is None:
+        while True:
+            self._poll(deadline)
+            if self._exitcode is not None:
+                return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return

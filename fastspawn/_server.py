@@ -83,6 +83,9 @@ class _Launch:
         self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         self.exits: list[int] = []  # (rank, status) pairs not yet queued
         self.watching_out = False
+        # The caller closed its end before everything was said: nobody is
+        # left to report to, or to stop the workers (see _Zygote.abandon).
+        self.broken = False
 
     def queue(self, rank: int, kind: int, body: bytes, fds: Sequence[int] = ()) -> None:
         header = _channel.HEADER.pack(rank, kind, _channel.LAST)
@@ -107,19 +110,45 @@ class _Launch:
                 return False
             except OSError:
                 # The caller closed its end (it is gone or gave up): drop it all.
-                for _, pending in self.outbox:
-                    for fd in pending:
-                        os.close(fd)
-                self.outbox.clear()
+                self.drop_outbox()
+                self.broken = True
                 return True
             self.outbox.popleft()
             for fd in fds:
                 os.close(fd)
         return True
 
+    def drop_outbox(self) -> None:
+        for _, pending in self.outbox:
+            for fd in pending:
+                os.close(fd)
+        self.outbox.clear()
+        self.exits = []
+
     @property
     def done(self) -> bool:
         return self.live == 0 and not self.outbox and not self.exits
+
+
+def _adopt_tracker(fd: int) -> None:
+    """Share the caller's multiprocessing resource tracker (its pipe comes in
+    with each launch), closing our copy of the previous launch's."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    old = getattr(tracker, "_fd", None)
+    tracker._fd = os.dup(fd)  # type: ignore[attr-defined]
+    if isinstance(old, int) and old >= 0:
+        try:
+            os.close(old)
+        except OSError:
+            pass
+
+
+def _others_stdio(stdio: Mapping[int, Sequence[int]], rank: int) -> list[int]:
+    """The stdio fds of every rank but ``rank``: a worker closes them, so that
+    no rank (or binary it becomes) can write into another's log or pipe."""
+    return [fd for other, pair in stdio.items() if other != rank for fd in pair if fd >= 0]
 
 
 def _children_of(pid: int) -> set[int]:
@@ -234,7 +263,7 @@ class _Zygote:
             if collapsing:
                 self.collapse_when_idle()
                 continue
-            for fd, _mask in events:
+            for fd, mask in events:
                 if fd == self.control.fileno():
                     if not self.on_control():
                         return
@@ -243,11 +272,14 @@ class _Zygote:
                 elif fd == self.wake_r:
                     self.on_sigchld()
                 elif fd in self.channels:
-                    self.on_writable(self.channels[fd])
+                    launch = self.channels[fd]
+                    if mask & (select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP):
+                        launch.broken = True
+                    self.on_writable(launch)
 
     def on_control(self) -> bool:
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self.control, _MAX_HEADER, 256)
+            data, fds, _flags = _channel.recv_fds(self.control, _MAX_HEADER, 256)
         except OSError:
             data, fds = b"", []
         if not data:
@@ -286,17 +318,17 @@ class _Zygote:
             self.settle()
             _pickling.inherited_fds[:] = user_fds
             if header["tracker_index"] is not None:
-                from multiprocessing import resource_tracker
-
-                tracker = user_fds[header["tracker_index"]]
-                resource_tracker._resource_tracker._fd = os.dup(tracker)  # type: ignore[attr-defined]
-            with _worker.read_payload(payload_fd) as payload:
+                _adopt_tracker(user_fds[header["tracker_index"]])
+            reading, payload_fd = payload_fd, -1  # read_payload closes it
+            with _worker.read_payload(reading) as payload:
                 fn, args = pickle.load(payload)
         except BaseException:
             payload_error = traceback.format_exc()
         finally:
             for fd in user_fds:
                 os.close(fd)  # unpickled objects hold their own dups
+            if payload_fd >= 0:
+                os.close(payload_fd)  # not read: a preload or the cwd failed
             _pickling.inherited_fds[:] = []
 
         if nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
@@ -333,7 +365,7 @@ class _Zygote:
                         daemon=daemon,
                         rank_env=envs.get(rank),
                         payload_error=payload_error,
-                        close_fds=close_fds,
+                        close_fds=close_fds + _others_stdio(stdio, rank),
                         stdio=stdio.get(rank),
                     )
                 if group:
@@ -361,18 +393,37 @@ class _Zygote:
         # pidfds are opened only now, so no worker inherits its siblings'.
         # None is reaped yet (that happens in the main loop), so each pid
         # still names our worker.
-        for start in range(0, len(pids), _channel.MAX_FDS):
-            chunk = pids[start : start + _channel.MAX_FDS]
-            pidfds = [_oscall.pidfd_open(pid) for pid in chunk]
-            launch.queue(start, _channel.PIDS, _channel.pack_statuses(chunk), pidfds)
+        try:
+            for start in range(0, len(pids), _channel.MAX_FDS):
+                chunk = pids[start : start + _channel.MAX_FDS]
+                pidfds: list[int] = []
+                try:
+                    for pid in chunk:
+                        pidfds.append(_oscall.pidfd_open(pid))
+                except BaseException:
+                    for fd in pidfds:
+                        os.close(fd)
+                    raise
+                launch.queue(start, _channel.PIDS, _channel.pack_statuses(chunk), pidfds)
+        except OSError as exc:
+            # Out of fds, say: without pidfds the caller cannot have them.
+            launch.drop_outbox()
+            why = (
+                f"the zygote could not open pidfds for the workers ({exc}); raise the "
+                "limit on open files (ulimit -n) or start fewer ranks"
+            )
+            launch.queue(-1, _channel.LAUNCH_FAILED, why.encode())
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
         self.channels[tx.fileno()] = launch
+        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
         self.on_writable(launch)
 
     def receive_stdio(self, slots: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
         """Read the per-rank stdio fds that follow a launch message."""
         fds: list[int] = []
         while len(fds) < len(slots):
-            data, more, _flags, _addr = socket.recv_fds(self.control, _MAX_HEADER, _channel.MAX_FDS)
+            data, more, _flags = _channel.recv_fds(self.control, _MAX_HEADER, _channel.MAX_FDS)
             if not data:
                 raise EOFError("the caller went away in the middle of a launch")
             fds.extend(more)
@@ -419,28 +470,62 @@ class _Zygote:
                 pass
 
     def on_writable(self, launch: _Launch) -> None:
+        """Send what a launch has queued; end it once all is said, or once
+        its caller has gone from the channel."""
+        if launch.tx.fileno() < 0:
+            return  # ended already; its last workers are being reaped
         fd = launch.tx.fileno()
-        sent = launch.flush()
-        if launch.done:
+        sent = True if launch.broken else launch.flush()
+        if launch.broken:
+            self.abandon(launch)
+        if launch.done or launch.broken:
             if fd in self.channels:
                 del self.channels[fd]
-                if launch.watching_out:
-                    self.epoll.unregister(fd)
+                self.epoll.unregister(fd)
             launch.tx.close()
             return
-        if sent and launch.watching_out:
-            self.epoll.unregister(fd)
-            launch.watching_out = False
-        elif not sent and not launch.watching_out and fd in self.channels:
-            self.epoll.register(fd, select.EPOLLOUT)
-            launch.watching_out = True
+        if sent == launch.watching_out:
+            # Always watched for the caller hanging up; for room to write
+            # only while something waits to be sent.
+            launch.watching_out = not sent
+            events = select.EPOLLRDHUP | (select.EPOLLOUT if launch.watching_out else 0)
+            self.epoll.modify(fd, events)
+
+    def abandon(self, launch: _Launch) -> None:
+        """The caller closed a launch's channel while workers of it still
+        ran (it gave up during the launch, or could not take the workers'
+        pidfds): nobody can wait for them or stop them now, so kill them.
+        Unreaped children of ours, so the pids are theirs; what they started
+        goes as reparented orphans do (kill_orphans)."""
+        launch.drop_outbox()
+        for pid, (owner, _rank) in self.workers.items():
+            if owner is launch:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def shutdown(self) -> None:
         """The caller is gone: kill every worker and descendant, reap, exit."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # The workers first, from our own records: listing children in /proc
+        # takes fds, which may have run out.  Then free what fds we can.
+        for pid in self.workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for launch in self.channels.values():
+            launch.drop_outbox()
+            launch.tx.close()
+        self.channels.clear()
         while True:
-            for pid in _children_of(self.me):
+            try:
+                children = _children_of(self.me)
+            except OSError:
+                children = set()  # reaping below frees fds for the next round
+            for pid in children:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -584,6 +669,15 @@ class ServerClient:
         except ChildProcessError:
             pass
         self.dead.set()
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: close the copies of the
+        zygote's control socket and pidfd, which are not ours."""
+        self.control.close()
+        try:
+            os.close(self.pidfd)
+        except OSError:
+            pass
 
     def alive(self) -> bool:
         """Whether the zygote runs.  Its pidfd is checked directly: the

@@ -235,3 +235,24 @@ def own_huge_kib(rank: int) -> int:
     from fastspawn import _hugepages
 
     return _hugepages.smaps_rollup()["AnonHugePages"]
+
+
+def fd_targets(rank: int) -> list[str]:
+    """What each of this worker's fds points at."""
+    targets = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            pass  # the listing's own fd
+    return targets
+
+
+def leave_group_or_raise(rank: int) -> None:
+    """Rank 1 leaves the launch's process group (setsid) and sleeps; rank 0
+    fails once it has."""
+    if rank == 1:
+        os.setsid()
+        time.sleep(60)
+    time.sleep(0.5)
+    raise ValueError("rank 0 fails")

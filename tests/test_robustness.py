@@ -1,0 +1,247 @@
+"""Defects a review found, each kept as a test: fds that reached the wrong
+process, workers nobody could stop, waits that outlived their timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import pytest
+import workers
+from helpers import alive_after, gone
+
+import fastspawn
+from fastspawn import _context, _launch, elastic
+
+
+def zygote_fd_targets() -> list[str]:
+    zygote = _launch.get_server()
+    targets = []
+    for name in os.listdir(f"/proc/{zygote.pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{zygote.pid}/fd/{name}"))
+        except OSError:
+            pass
+    return targets
+
+
+def test_binary_rank_holds_only_its_own_stdio(tmp_path):
+    # Rank 0 lists its fds once rank 1 is up: neither rank 1's log nor the
+    # report channel may be among them.
+    code = (
+        "import os, time; time.sleep(0.5); fds = sorted(os.listdir('/proc/self/fd')); "
+        "print(fds, [os.path.realpath(f'/proc/self/fd/{fd}') for fd in fds])"
+    )
+    ctx = elastic.start_processes(
+        "fds",
+        sys.executable,
+        args={0: ("-c", code), 1: ("-c", "import time; time.sleep(1)")},
+        envs={0: {}, 1: {}},
+        log_dir=str(tmp_path),
+        redirects=elastic.Std.ALL,
+    )
+    result = ctx.wait(60)
+    assert result is not None and not result.is_failed(), result
+    with open(tmp_path / "0" / "stdout.log") as f:
+        fds = f.read().split("\n")[0]
+    assert fds.startswith("['0', '1', '2', '3'] "), fds  # 3: the listing's own
+
+
+def test_function_rank_holds_no_other_ranks_stdio(tmp_path):
+    ctx = elastic.start_processes(
+        "fds",
+        workers.fd_targets,
+        args={0: (0,), 1: (1,), 2: (2,)},
+        envs={0: {}, 1: {}, 2: {}},
+        log_dir=str(tmp_path),
+        redirects=elastic.Std.ALL,
+    )
+    result = ctx.wait(60)
+    assert result is not None and not result.is_failed(), result
+    for rank, targets in result.return_values.items():
+        logs = [t for t in targets if t.endswith(".log")]
+        assert logs and all(f"/{rank}/std" in t for t in logs), (rank, targets)
+
+
+def test_zygote_death_kills_what_binary_ranks_started(tmp_path):
+    # Binary ranks lead sessions of their own; their children must still go
+    # when the zygote is SIGKILLed, and wait() must not outlive its timeout.
+    pid_file = tmp_path / "child"
+    ctx = elastic.start_processes(
+        "orphans",
+        "/bin/sh",
+        args={0: ("-c", f"sleep 300 & echo $! > {pid_file}; wait")},
+        envs={0: {}},
+        log_dir=os.devnull,
+    )
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline, "the rank did not start its child"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(_launch.get_server().pid, signal.SIGKILL)
+    assert alive_after([child], 2.0) == []
+    started = time.monotonic()
+    result = ctx.wait(30)
+    assert time.monotonic() - started < 25  # not the 60 s fallback
+    assert result is not None and result.is_failed()
+
+
+def test_failed_launch_leaves_no_payload_in_the_zygote():
+    # Three launches whose preload fails: their payload memfds must not stay
+    # open in the zygote, where every later worker would inherit them.
+    for _ in range(3):
+        with pytest.raises((RuntimeError, fastspawn.ProcessRaisedException)):
+            fastspawn.start_processes(
+                workers.succeed, ("secret",), nprocs=1, preload=["fastspawn_no_such_module"]
+            )
+    assert not [t for t in zygote_fd_targets() if "fastspawn-payload" in t]
+
+
+def test_resource_tracker_fd_is_not_kept_per_launch():
+    queue = multiprocessing_queue()
+    try:
+        counts = []
+        for _ in range(6):
+            fastspawn.start_processes(workers.succeed, nprocs=1)
+            counts.append(len(zygote_fd_targets()))
+        assert counts[-1] == counts[1], counts
+    finally:
+        queue.close()
+
+
+def multiprocessing_queue():
+    # A spawn-context SimpleQueue starts multiprocessing's resource tracker,
+    # whose fd every launch then passes on.
+    import multiprocessing
+
+    return multiprocessing.get_context("spawn").SimpleQueue()
+
+
+def test_fork_worker_does_not_hold_the_zygote_control_socket():
+    zygote = _launch.get_server()
+    control = f"socket:[{os.fstat(zygote.control.fileno()).st_ino}]"
+    ctx = fastspawn.start_processes(workers.fd_targets, nprocs=1, start_method="fork")
+    assert control not in ctx.return_values[0]
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn", "forkserver"])
+def test_worker_that_left_the_group_is_still_stopped(start_method):
+    ctx = fastspawn.start_processes(
+        workers.leave_group_or_raise, nprocs=2, join=False, start_method=start_method
+    )
+    with pytest.raises(fastspawn.ProcessRaisedException, match="rank 0 fails"):
+        while not ctx.join(timeout=60, grace_period=0):
+            pass
+    assert ctx.processes[1].exitcode in (-signal.SIGTERM, -signal.SIGKILL)
+    assert gone(ctx.pids()[1])
+
+
+def test_forked_child_leaves_the_parents_workers_alone():
+    # A child forked from the caller runs the atexit hooks when it exits:
+    # they must not join, read or unwatch the parent's workers.
+    ctx = fastspawn.start_processes(workers.sleep_for, (1.0,), nprocs=2, join=False)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            started = time.monotonic()
+            _context._at_exit()
+            os._exit(0 if time.monotonic() - started < 0.5 else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    while not ctx.join(timeout=60):
+        pass
+    assert ctx.return_values == {0: None, 1: None}
+
+
+def test_ctrl_c_while_the_zygote_prepares_a_launch_leaves_nothing(tmp_path, monkeypatch):
+    # The interrupt lands while the caller waits for the workers' pidfds
+    # (the zygote imports a slow module first); the workers it forks after
+    # that must not run on untracked.  The leak fixture checks.
+    (tmp_path / "fastspawn_slow_preload.py").write_text("import time\ntime.sleep(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote is up
+    # (elastic tests in this process may have installed their handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fastspawn.start_processes(
+                workers.sleep_forever, nprocs=4, preload=["fastspawn_slow_preload"]
+            )
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    zygote = _launch.get_server().pid
+    deadline = time.monotonic() + 10
+    while children_of(zygote):
+        assert time.monotonic() < deadline, f"workers left: {children_of(zygote)}"
+        time.sleep(0.05)
+
+
+def children_of(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return f.read().split()
+
+
+def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
+    # Run apart: the fd limit is the driver's, and so its zygote's.
+    code = textwrap.dedent(
+        """
+        import os, resource, sys, time
+        import fastspawn, workers
+        from fastspawn import _launch
+        fastspawn.start_processes(workers.succeed, nprocs=1)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(90)]
+        try:
+            fastspawn.start_processes(workers.sleep_forever, nprocs=60)
+        except Exception as exc:
+            print("error:", type(exc).__name__, exc)
+        else:
+            print("error: none")
+        for fd in held:
+            os.close(fd)
+        zygote = _launch.get_server().pid
+        deadline = time.monotonic() + 10
+        while True:
+            with open(f"/proc/{zygote}/task/{zygote}/children") as f:
+                left = f.read().split()
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        print("left:", len(left))
+        """
+    )
+    import subprocess
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, *sys.path]))
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    error = done.stdout.split("error:", 1)[1].split("\nleft:")[0]
+    assert "ulimit -n" in error or "Too many open files" in error, done.stdout + done.stderr
+    assert "left: 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_deleted_cwd_is_named():
+    here = os.getcwd()
+    gone_dir = tempfile.mkdtemp()
+    os.chdir(gone_dir)
+    try:
+        os.rmdir(gone_dir)
+        for method in ("zygote", "spawn"):
+            with pytest.raises(FileNotFoundError, match="current directory was deleted"):
+                fastspawn.start_processes(workers.succeed, nprocs=1, start_method=method)
+    finally:
+        os.chdir(here)
