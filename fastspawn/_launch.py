@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -327,13 +328,12 @@ def current_dir() -> str:
 def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     cwd = current_dir()
     collector = _pickling.FdCollector()
-    payload_fd = _payload_memfd(_pickling.dumps([(req.fn, req.args)], collector))
+    work = _pickling.dumps([(req.fn, req.args)], collector)
     tracker = _tracker_fd()
     tracker_index = None
     if tracker is not None:
         tracker_index = collector.duplicate_for_child(tracker)
     header = {
-        "op": "launch",
         "preload": list(req.preload),
         "sys_path": list(sys.path),
         "nprocs": req.nprocs,
@@ -353,12 +353,17 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 stdio_slots.append((rank, stream))
                 stdio_fds.append(fd)
     header["stdio_slots"] = stdio_slots
+    # The header goes first in the payload memfd: a control message holds
+    # about 200 KB, which a large environment or per-rank envs exceed.
+    payload_fd = _payload_memfd(pickle.dumps(header, pickle.HIGHEST_PROTOCOL) + work)
     try:
         for attempt in (1, 2):
             server = get_server()
             try:
                 with server.lock:
-                    server.send(header, [tx.fileno(), payload_fd, *collector.fds], locked=True)
+                    server.send(
+                        {"op": "launch"}, [tx.fileno(), payload_fd, *collector.fds], locked=True
+                    )
                     for start in range(0, len(stdio_fds), _channel.MAX_FDS):
                         chunk = stdio_fds[start : start + _channel.MAX_FDS]
                         server.send({"op": "fds"}, chunk, locked=True)

@@ -291,13 +291,19 @@ class _Zygote:
             _import_all(message["modules"])
             self.settle()
         else:
-            self.launch(message, fds)
+            self.launch(fds)
         return True
 
-    def launch(self, header: Mapping[str, Any], fds: list[int]) -> None:
+    def launch(self, fds: list[int]) -> None:
+        """One launch: ``fds`` are its report channel, its payload memfd
+        (the launch's header, then fn and args) and the fds the arguments
+        carry; per-rank stdio fds follow in messages of their own."""
         tx = socket.socket(fileno=fds[0])
-        payload_fd = fds[1]
         user_fds = fds[2:]
+        # The header (environment, sys.path, per-rank envs) travels in the
+        # memfd, not in the control message, whose size is capped (~200 KB).
+        payload = _worker.read_payload(fds[1])
+        header = pickle.load(payload)  # plain data: no import, no fd
         nprocs = int(header["nprocs"])
         stdio = self.receive_stdio(header["stdio_slots"])
         launch = _Launch(tx, nprocs)
@@ -319,17 +325,14 @@ class _Zygote:
             _pickling.inherited_fds[:] = user_fds
             if header["tracker_index"] is not None:
                 _adopt_tracker(user_fds[header["tracker_index"]])
-            reading, payload_fd = payload_fd, -1  # read_payload closes it
-            with _worker.read_payload(reading) as payload:
-                fn, args = pickle.load(payload)
+            fn, args = pickle.load(payload)
         except BaseException:
             payload_error = traceback.format_exc()
         finally:
             for fd in user_fds:
                 os.close(fd)  # unpickled objects hold their own dups
-            if payload_fd >= 0:
-                os.close(payload_fd)  # not read: a preload or the cwd failed
             _pickling.inherited_fds[:] = []
+            payload.close()
 
         if nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
             self.collapse_now()
