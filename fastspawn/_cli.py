@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -226,6 +227,35 @@ def exit_code(code: int) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+def _missing_ancestor(path: str) -> str | None:
+    """The topmost directory of ``path`` (itself included) that does not exist
+    yet: what ``os.makedirs(path)`` will create.  None when it exists."""
+    path = os.path.abspath(path)
+    top = None
+    while not os.path.lexists(path):
+        top = path
+        path = os.path.dirname(path)
+    return top
+
+
+def _remove_created(attempt_dir: str, log_dir: str, created: str | None) -> None:
+    """After the first start failed: remove the attempt directory, then each
+    directory this run created above it up to ``created`` (rmdir: only while
+    empty, so nothing of anyone else's goes)."""
+    shutil.rmtree(attempt_dir, ignore_errors=True)
+    if created is None:
+        return
+    path = os.path.abspath(log_dir)
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        if path == created:
+            return
+        path = os.path.dirname(path)
+
+
 def run(args: argparse.Namespace) -> int:
     nprocs = args.nprocs_per_node
     nnodes, node_rank, addr, port = topology(args, os.environ)
@@ -242,10 +272,12 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or os.path.basename(program)
     log_dir = args.log_dir
     wants_files = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
+    created = None  # the directory this run made to hold log_dir (itself included)
     if log_dir is None and wants_files:
         log_dir = tempfile.mkdtemp(prefix="fastspawn-run-")
-        print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
+        created = log_dir
     elif log_dir is not None:
+        created = _missing_ancestor(log_dir)
         os.makedirs(log_dir, mode=0o700, exist_ok=True)
         if os.listdir(log_dir):
             print(
@@ -263,18 +295,30 @@ def run(args: argparse.Namespace) -> int:
         envs = rank_envs(nprocs, nnodes, node_rank, addr, port, attempt, args.max_restarts)
         ctx = None
         try:
-            ctx = elastic.start_processes(
-                name=name,
-                entrypoint=entrypoint,
-                args={rank: tuple(argv) for rank in range(nprocs)},
-                envs=envs,
-                log_dir=attempt_dir,
-                redirects=args.redirects,
-                tee=args.tee,
-                log_line_prefixes={
-                    rank: f"[{name}{node_rank * nprocs + rank}]:" for rank in range(nprocs)
-                },
-            )
+            try:
+                ctx = elastic.start_processes(
+                    name=name,
+                    entrypoint=entrypoint,
+                    args={rank: tuple(argv) for rank in range(nprocs)},
+                    envs=envs,
+                    log_dir=attempt_dir,
+                    redirects=args.redirects,
+                    tee=args.tee,
+                    log_line_prefixes={
+                        rank: f"[{name}{node_rank * nprocs + rank}]:" for rank in range(nprocs)
+                    },
+                )
+            except BaseException:
+                # Nothing ran: keep no empty log directories.  start_processes
+                # removed the rank directories it made.
+                if log_dir is not None:
+                    if attempt == 0:
+                        _remove_created(attempt_dir, log_dir, created)
+                    else:
+                        shutil.rmtree(attempt_dir, ignore_errors=True)
+                raise
+            if attempt == 0 and log_dir is not None and args.log_dir is None:
+                print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
             result = ctx.wait()
         except elastic.SignalException as exc:
             print(f"fastspawn run: got {exc.sigval.name}, stopping every rank", file=sys.stderr)
@@ -282,7 +326,10 @@ def run(args: argparse.Namespace) -> int:
                 ctx.close(exc.sigval, timeout=10)
             return 128 + int(exc.sigval)
         except OSError as exc:
-            print(f"fastspawn run: cannot start {program!r}: {exc}", file=sys.stderr)
+            # OSError's str() ends with the filename: name it once, up front.
+            what = program if exc.filename is None else exc.filename
+            why = exc.strerror if exc.filename is not None and exc.strerror else str(exc)
+            print(f"fastspawn run: cannot start {what!r}: {why}", file=sys.stderr)
             return 127 if isinstance(exc, FileNotFoundError) else 126
         assert result is not None
         if not result.is_failed():

@@ -38,18 +38,38 @@ class Tee:
         self._thread: threading.Thread | None = None
 
     def add(self, fd: int, log: BinaryIO | None, console: str, prefix: str) -> None:
-        """Watch read end ``fd`` (taken over: closed at EOF); ``console`` is
-        ``"stdout"`` or ``"stderr"``."""
+        """Watch read end ``fd``; ``console`` is ``"stdout"`` or ``"stderr"``.
+
+        ``fd`` and ``log`` are taken over, even when this raises: closed at
+        EOF, or by :meth:`close`."""
         token = len(self._streams)
+        # Recorded first, so that close() releases them if epoll_ctl fails.
         self._streams[token] = _Stream(fd, log, _console(console), prefix.encode())
         self._waiter.add(fd, token)
 
     def start(self) -> None:
         if self._streams:
-            self._thread = threading.Thread(target=self._run, name="fastspawn-tee", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="fastspawn-tee", daemon=True)
+            thread.start()
+            self._thread = thread
         else:
             self._waiter.close()
+
+    def close(self) -> None:
+        """Release every pipe, log file and the epoll set without reading
+        further: for a Tee that was never started (a launch that failed).
+
+        Raises:
+            RuntimeError: the reading thread runs; it closes them itself.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("Tee.close(): the tee thread is running; join() it instead")
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            os.close(stream.fd)
+            if stream.log is not None:
+                stream.log.close()
+        self._waiter.close()
 
     def _run(self) -> None:
         try:

@@ -11,7 +11,9 @@ on through pidfds, tee'd by one event loop.
 
 from __future__ import annotations
 
+import atexit
 import enum
+import errno
 import json
 import logging
 import os
@@ -43,6 +45,23 @@ __all__ = [
 
 _NOT_AVAILABLE = "<N/A>"
 _EMPTY_ERROR_DATA = {"message": "<NONE>"}
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+# The signal of the last SignalException raised here, and the contexts
+# started and not yet closed: after such a signal, interpreter exit closes
+# them with it (see _close_after_signal).
+_received_signal: signal.Signals | None = None
+_live_contexts: set[PContext] = set()  # held: a dropped one is closed too
+
+
+def _forget_in_child() -> None:
+    # A process forked from ours exits without closing our ranks.
+    global _received_signal
+    _received_signal = None
+    _live_contexts.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class SignalException(Exception):
@@ -55,7 +74,9 @@ class SignalException(Exception):
 
 
 def _raise_signal_exception(signum: int, frame: Any) -> None:
+    global _received_signal
     sigval = signal.Signals(signum)
+    _received_signal = sigval
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
@@ -164,20 +185,36 @@ def _validate_full_rank(mapping: Mapping[int, Any], nprocs: int, what: str) -> N
 
 
 def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
-    """The path to exec, or FileNotFoundError / PermissionError naming it."""
+    """The path to exec, or FileNotFoundError / PermissionError naming it.
+
+    OSError's str() appends the filename (``[Errno 2] text: 'path'``), so the
+    text leaves the path out and says what to do instead.
+    """
     if "/" in entrypoint:
         path = entrypoint
         if not os.path.exists(path):
-            raise FileNotFoundError(2, f"No such file or directory: {path!r}", path)
+            raise FileNotFoundError(
+                errno.ENOENT,
+                "binary not found (check the path, or give a name to look up on PATH)",
+                path,
+            )
     else:
-        found = shutil.which(entrypoint, path=env.get("PATH", os.defpath))
+        search = env.get("PATH", os.defpath)
+        found = shutil.which(entrypoint, path=search)
         if found is None:
             raise FileNotFoundError(
-                2, f"{entrypoint!r} not found on PATH ({env.get('PATH', os.defpath)})", entrypoint
+                errno.ENOENT,
+                f"binary not found on PATH={search} (give its full path, or add its "
+                "directory to PATH)",
+                entrypoint,
             )
         path = found
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
-        raise PermissionError(13, f"not an executable file: {path!r}", path)
+        raise PermissionError(
+            errno.EACCES,
+            "not an executable file (chmod +x it, or give the path of a binary)",
+            path,
+        )
     return path
 
 
@@ -201,6 +238,7 @@ class PContext:
         error_files: Mapping[int, str],
         start_method: str,
         log_line_prefixes: Mapping[int, str] | None,
+        binary_path: str | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -214,6 +252,9 @@ class PContext:
         self.error_files = dict(error_files)
         self.start_method = start_method
         self.log_line_prefixes = dict(log_line_prefixes or {})
+        # The resolved binary (start_processes resolves it before it creates
+        # any file); start() resolves it when None.
+        self._binary_path = binary_path
         self._ctx: _context.ProcessContext | None = None
         self._tee = Tee()
         self._result: RunProcsResult | None = None
@@ -228,26 +269,37 @@ class PContext:
 
     def start(self) -> None:
         """Install the SignalException handlers (main thread only), then
-        start every rank."""
+        start every rank.
+
+        On failure nothing is left open: no pipe, no log file handle, no
+        rank (the log files themselves are for the caller to remove).
+        """
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            for sig in _HANDLED_SIGNALS:
                 signal.signal(sig, _raise_signal_exception)
         else:
             log.warning(
                 "start_processes called from a thread other than the main one: no "
                 "SignalException handlers installed"
             )
-        stdio, child_fds = self._open_stdio()
         try:
-            request = self._request(stdio)
-            self._ctx = _context.launch_context(request)
+            if isinstance(self.entrypoint, str) and self._binary_path is None:
+                self._binary_path = _resolve_binary(
+                    self.entrypoint, {**os.environ, **self.envs.get(0, {})}
+                )
+            stdio, child_fds = self._open_stdio()
+            try:
+                self._ctx = _context.launch_context(self._request(stdio))
+            finally:
+                for fd in child_fds:
+                    os.close(fd)
+            self._tee.start()
         except BaseException:
-            self._tee = Tee()  # drop the pipes' read ends with the request
+            if self._ctx is not None:  # the ranks run, but their output has no reader
+                self.close(signal.SIGKILL)
+            self._tee.close()
             raise
-        finally:
-            for fd in child_fds:
-                os.close(fd)
-        self._tee.start()
+        _live_contexts.add(self)
 
     def _prefix(self, rank: int) -> str:
         return self.log_line_prefixes.get(rank, f"[{self.name}{rank}]:")
@@ -269,11 +321,16 @@ class PContext:
                         continue
                     if tee:
                         read_end, write_end = os.pipe2(os.O_CLOEXEC)
-                        log_file: BinaryIO | None = (
-                            open(_open_log(path), "wb") if path and path != os.devnull else None
-                        )
-                        self._tee.add(read_end, log_file, console, self._prefix(rank))
                         child_fds.append(write_end)
+                        try:
+                            log_file: BinaryIO | None = (
+                                open(_open_log(path), "wb") if path and path != os.devnull else None
+                            )
+                        except BaseException:
+                            os.close(read_end)
+                            raise
+                        # The tee owns read_end and log_file from here on.
+                        self._tee.add(read_end, log_file, console, self._prefix(rank))
                         pair.append(write_end)
                     else:
                         fd = _open_log(path)
@@ -288,14 +345,13 @@ class PContext:
 
     def _request(self, stdio: dict[int, tuple[int, int]]) -> _launch.LaunchRequest:
         if isinstance(self.entrypoint, str):
-            env0 = {**os.environ, **self.envs[0]}
-            path = _resolve_binary(self.entrypoint, env0)
+            assert self._binary_path is not None, "resolved in start()"
             argvs = {
                 rank: [self.entrypoint, *(str(a) for a in self.args[rank])]
                 for rank in range(self.nprocs)
             }
             fn: Callable[..., Any] = exec_binary
-            fn_args: tuple[Any, ...] = (path, argvs)
+            fn_args: tuple[Any, ...] = (self._binary_path, argvs)
             method = _launch.DEFAULT_START_METHOD  # the zygote adopts orphans
         else:
             fn = run_function
@@ -336,6 +392,7 @@ class PContext:
                 error_file=self.error_files[rank],
             )
             self._tee.join(5.0)
+            _live_contexts.discard(self)  # every rank is reaped
             self._result = RunProcsResult(
                 failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
             )
@@ -343,16 +400,39 @@ class PContext:
         if not done:
             return None
         self._tee.join(5.0)
+        _live_contexts.discard(self)
+        self._result = self._success()
+        return self._result
+
+    def _success(self) -> RunProcsResult:
+        """The result once every rank has exited 0."""
+        assert self._ctx is not None
         if isinstance(self.entrypoint, str):
             values: dict[int, Any] = dict.fromkeys(range(self.nprocs))
         else:
             values = dict(self._ctx.return_values)
             for rank in range(self.nprocs):
                 values.setdefault(rank, None)
-        self._result = RunProcsResult(
-            return_values=values, stdouts=self.stdouts, stderrs=self.stderrs
-        )
-        return self._result
+        return RunProcsResult(return_values=values, stdouts=self.stdouts, stderrs=self.stderrs)
+
+    def _closed_result(self) -> RunProcsResult:
+        """The result of ranks that close() ended, all reaped: every rank
+        that ended non-zero (killed by the close signal, most often) is a
+        failure; a success only if every rank had exited 0."""
+        assert self._ctx is not None
+        failures = {}
+        for proc in self._ctx.processes:
+            code = proc.exitcode
+            if code != 0:
+                failures[proc.rank] = ProcessFailure(
+                    local_rank=proc.rank,
+                    pid=proc.pid,
+                    exitcode=-signal.SIGKILL if code is None else code,
+                    error_file=self.error_files[proc.rank],
+                )
+        if not failures:
+            return self._success()
+        return RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs)
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Wait for all ranks to succeed or any to fail.
@@ -382,9 +462,15 @@ class PContext:
     def close(self, death_sig: signal.Signals | int | None = None, timeout: float = 30) -> None:
         """Stop every rank: ``death_sig`` (SIGTERM by default) to each, to its
         whole process group for binaries; after ``timeout`` seconds in all,
-        SIGKILL; then reap."""
+        SIGKILL; then reap.
+
+        A later ``wait`` reports the ranks that did not end with exit code 0
+        as failures (``exitcode`` minus the signal for a killed rank), unless
+        it had returned a result before the close.
+        """
         if self._ctx is None:
             return
+        _live_contexts.discard(self)
         sig = signal.SIGTERM if death_sig is None else death_sig
         procs = [p for p in self._ctx.processes if p._exitcode is None]
         for proc in procs:
@@ -400,12 +486,20 @@ class PContext:
                 self._signal(proc, signal.SIGKILL)
         for proc in procs:
             proc.join()
-        try:
-            while not self._ctx.join(timeout=0):
-                pass
-        except ProcessException:
-            pass  # killed on purpose
+        # Every rank is reaped: join() now raises once for each rank that
+        # ended badly, then returns True.  It never blocks here (timeout=0);
+        # the bound, twice what that takes, only guards against a spin.
+        for _ in range(2 * self.nprocs + 2):
+            try:
+                if self._ctx.join(timeout=0):
+                    break
+            except ProcessException:
+                pass  # stopped on purpose; _closed_result reports it
+        else:
+            log.warning("close(): the ranks' context did not report them all done")
         self._tee.join(5.0)
+        if self._result is None:
+            self._result = self._closed_result()
 
     def _signal(self, proc: Any, sig: int) -> None:
         if isinstance(self.entrypoint, str) and proc._exitcode is None and proc.is_alive():
@@ -415,6 +509,34 @@ class PContext:
             except (ProcessLookupError, PermissionError):
                 pass
         proc._signal(sig)
+
+
+@atexit.register
+def _close_after_signal() -> None:
+    """At interpreter exit after a SignalException (one left uncaught, most
+    often), close every context still live with that signal: SPEC section 3,
+    no worker outlives a signalled launcher.  Without this, _context's exit
+    hook would wait for the ranks to end by themselves.
+
+    Registered when this module is imported, after _context (imported
+    above) registered its hook, so it runs first: atexit is LIFO.
+    """
+    sig = _received_signal
+    if sig is None:
+        return
+    # A second signal now ends the launcher at once (the ranks die with it,
+    # PR_SET_PDEATHSIG) rather than raising in the middle of the close.
+    for handled in _HANDLED_SIGNALS:
+        try:
+            if signal.getsignal(handled) is _raise_signal_exception:
+                signal.signal(handled, signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            break
+    for context in list(_live_contexts):
+        try:
+            context.close(sig)
+        except Exception:
+            log.exception("fastspawn: could not close %r at exit after %s", context, sig.name)
 
 
 def start_processes(
@@ -461,43 +583,51 @@ def start_processes(
     redirs = to_map(redirects, nprocs)
     tees = to_map(tee, nprocs)
     rank_envs = {rank: {k: str(v) for k, v in envs[rank].items()} for rank in range(nprocs)}
+    binary_path = None
+    if isinstance(entrypoint, str):
+        # Before any file is created: a missing binary leaves nothing behind.
+        binary_path = _resolve_binary(entrypoint, {**os.environ, **rank_envs.get(0, {})})
     stdouts = dict.fromkeys(range(nprocs), "")
     stderrs = dict.fromkeys(range(nprocs), "")
     tee_out: dict[int, bool] = {}
     tee_err: dict[int, bool] = {}
     error_files: dict[int, str] = {}
-    for rank in range(nprocs):
-        tee_out[rank] = bool(tees[rank] & Std.OUT)
-        tee_err[rank] = bool(tees[rank] & Std.ERR)
-        if log_dir == os.devnull:
-            error_files[rank] = os.devnull
-            rank_envs[rank][ERROR_FILE_ENV] = ""
-            continue
-        rank_dir = os.path.join(log_dir, str(rank))
-        os.mkdir(rank_dir, 0o700)
-        wanted = redirs[rank] | tees[rank]
-        if wanted & Std.OUT:
-            stdouts[rank] = os.path.join(rank_dir, "stdout.log")
-        if wanted & Std.ERR:
-            stderrs[rank] = os.path.join(rank_dir, "stderr.log")
-        error_files[rank] = os.path.join(rank_dir, "error.json")
-        rank_envs[rank][ERROR_FILE_ENV] = error_files[rank]
-    context = PContext(
-        name=name,
-        entrypoint=entrypoint,
-        args=args,
-        envs=rank_envs,
-        stdouts=stdouts,
-        stderrs=stderrs,
-        tee_stdouts=tee_out,
-        tee_stderrs=tee_err,
-        error_files=error_files,
-        start_method=start_method,
-        log_line_prefixes=log_line_prefixes,
-    )
+    rank_dirs: list[str] = []  # created by this call: removed if the start fails
     try:
-        context.start()
+        for rank in range(nprocs):
+            tee_out[rank] = bool(tees[rank] & Std.OUT)
+            tee_err[rank] = bool(tees[rank] & Std.ERR)
+            if log_dir == os.devnull:
+                error_files[rank] = os.devnull
+                rank_envs[rank][ERROR_FILE_ENV] = ""
+                continue
+            rank_dir = os.path.join(log_dir, str(rank))
+            os.mkdir(rank_dir, 0o700)
+            rank_dirs.append(rank_dir)
+            wanted = redirs[rank] | tees[rank]
+            if wanted & Std.OUT:
+                stdouts[rank] = os.path.join(rank_dir, "stdout.log")
+            if wanted & Std.ERR:
+                stderrs[rank] = os.path.join(rank_dir, "stderr.log")
+            error_files[rank] = os.path.join(rank_dir, "error.json")
+            rank_envs[rank][ERROR_FILE_ENV] = error_files[rank]
+        context = PContext(
+            name=name,
+            entrypoint=entrypoint,
+            args=args,
+            envs=rank_envs,
+            stdouts=stdouts,
+            stderrs=stderrs,
+            tee_stdouts=tee_out,
+            tee_stderrs=tee_err,
+            error_files=error_files,
+            start_method=start_method,
+            log_line_prefixes=log_line_prefixes,
+            binary_path=binary_path,
+        )
+        context.start()  # leaves no fd and no rank behind when it fails
     except BaseException:
-        context.close()
+        for rank_dir in rank_dirs:
+            shutil.rmtree(rank_dir, ignore_errors=True)
         raise
     return context

@@ -315,3 +315,28 @@ def test_log_dir_must_be_empty(tmp_path):
     done = fastspawn_run("--nprocs-per-node", "1", "--log-dir", str(tmp_path), "/bin/true")
     assert done.returncode == 2
     assert "is not empty" in done.stderr
+
+
+def test_missing_program_leaves_no_log_dir():
+    done = fastspawn_run("--nprocs-per-node", "2", "--tee", "3", "--", "/no/such/prog")
+    assert done.returncode == 127
+    assert done.stderr.count("/no/such/prog") == 1, done.stderr
+    assert "cannot start '/no/such/prog': binary not found (check the path" in done.stderr
+    assert "logs in" not in done.stderr
+    assert [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("fastspawn-run-")] == []
+
+
+def test_missing_program_removes_only_what_it_created_in_log_dir(tmp_path):
+    new = tmp_path / "new" / "logs"
+    done = fastspawn_run(
+        "--nprocs-per-node", "2", "--redirects", "3", "--log-dir", str(new), "/no/such/prog"
+    )
+    assert done.returncode == 127, done.stderr
+    assert os.listdir(tmp_path) == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    done = fastspawn_run(
+        "--nprocs-per-node", "2", "--tee", "3", "--log-dir", str(mine), "/no/such/prog"
+    )
+    assert done.returncode == 127, done.stderr
+    assert os.listdir(tmp_path) == ["mine"] and os.listdir(mine) == []

@@ -279,3 +279,144 @@ def test_sigkill_of_parent_kills_ranks_and_their_children(tmp_path):
         kill_driver(driver)
     alive = alive_after(pids)
     assert alive == [], f"alive 1 s after SIGKILL of the launcher: {alive}"
+
+
+# ------------------------------------------------------- close, then wait
+
+
+def wait_gone(pids, seconds=30):
+    deadline = time.monotonic() + seconds
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still running: {pids}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("entrypoint", [time.sleep, "/bin/sleep"], ids=["function", "binary"])
+def test_wait_after_close_reports_the_stopped_ranks(tmp_path, entrypoint):
+    # Three ranks: after the first failure the core's join raises once more
+    # for each other rank that ended badly; close() must swallow them all.
+    ctx = start(entrypoint, {r: (60,) for r in range(3)}, tmp_path)
+    pids = ctx.pids()
+    ctx.close()
+    result = ctx.wait(timeout=0)
+    assert result is not None and result.is_failed()
+    assert sorted(result.failures) == [0, 1, 2]
+    assert result.return_values == {}
+    for rank, failure in result.failures.items():
+        assert failure.pid == pids[rank]
+        assert failure.exitcode == -signal.SIGTERM
+        assert failure.signal_name() == "SIGTERM"
+        assert failure.message == f"Signal 15 (SIGTERM) received by PID {pids[rank]}"
+    assert ctx.wait(timeout=-1) is result
+    ctx.close()  # again: no error, same result
+    assert ctx.wait(timeout=0) is result
+
+
+def test_wait_after_close_keeps_a_rank_that_had_succeeded_out_of_failures(tmp_path):
+    ctx = start("/bin/sh", {0: ("-c", "exit 0"), 1: ("-c", "exec sleep 60")}, tmp_path)
+    wait_gone([ctx.pids()[0]])
+    ctx.close()
+    result = ctx.wait(timeout=0)
+    assert result is not None and result.is_failed()
+    assert list(result.failures) == [1]
+    assert result.failures[1].signal_name() == "SIGTERM"
+
+
+def test_wait_after_close_of_finished_ranks_is_a_success(tmp_path):
+    ctx = start(workers.elastic_add, {0: (1, 2), 1: (3, 4)}, tmp_path, redirects=Std.ALL)
+    wait_gone(ctx.pids().values())
+    ctx.close()
+    result = ctx.wait(timeout=0)
+    assert result is not None and not result.is_failed()
+    assert result.return_values == {0: 3, 1: 7}
+
+
+def test_close_after_a_failure_keeps_the_failure(tmp_path):
+    ctx = start(
+        "/bin/sh",
+        {0: ("-c", "exit 3"), 1: ("-c", "exec sleep 60"), 2: ("-c", "exec sleep 60")},
+        tmp_path,
+    )
+    result = ctx.wait(timeout=60)
+    assert result is not None and list(result.failures) == [0]
+    assert result.failures[0].exitcode == 3
+    ctx.close()  # the core's join raises for ranks 1 and 2 here: not out of close()
+    assert ctx.wait(timeout=0) is result
+
+
+# ------------------------------------------- a SignalException left uncaught
+
+
+@pytest.mark.parametrize("entrypoint", ["time.sleep", "'/bin/sleep'"], ids=["function", "binary"])
+def test_uncaught_signal_exception_stops_the_ranks(entrypoint):
+    driver_code = textwrap.dedent(
+        f"""
+        import os, time
+        from fastspawn import elastic
+        ctx = elastic.start_processes(
+            "t", {entrypoint}, {{0: (60,), 1: (60,)}}, {{0: {{}}, 1: {{}}}}, os.devnull)
+        print(*ctx.pids().values(), flush=True)
+        ctx.wait()
+        """
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", driver_code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2 and not any(gone(pid) for pid in pids)
+        driver.send_signal(signal.SIGTERM)
+        try:
+            _, err = driver.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the launcher outlived SIGTERM, waiting for its ranks")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    assert "SignalException" in err
+    wait_gone(pids, seconds=5)
+
+
+# ------------------------------------------------------ a failed start
+
+
+def open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_missing_binary_leaves_no_fd_or_file(tmp_path):
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises(FileNotFoundError) as info:
+            elastic.start_processes(
+                "x", "/no/such/binary", {0: (), 1: ()}, empty(2), str(tmp_path), tee=Std.ALL
+            )
+        assert str(info.value).count("/no/such/binary") == 1
+        assert info.value.filename == "/no/such/binary"
+        assert "check the path" in str(info.value)
+    assert open_fds() == before
+    assert os.listdir(tmp_path) == []
+
+
+def test_not_executable_names_the_path_once(tmp_path):
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError) as info:
+        elastic.start_processes("x", str(script), {0: ()}, {0: {}}, os.devnull)
+    assert str(info.value).count(str(script)) == 1
+
+
+def test_failed_launch_removes_its_log_files_and_pipes(tmp_path):
+    # The files and pipes exist by the time the launch fails: a function a
+    # "spawn" worker cannot import.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    before = open_fds()
+    with pytest.raises(Exception, match="pickle"):
+        start(lambda: None, {0: (), 1: ()}, logs, start_method="spawn", tee=Std.ALL)
+    assert open_fds() == before
+    assert os.listdir(logs) == []
