@@ -79,6 +79,18 @@ def _remove(path: str) -> None:
 
 
 @pytest.fixture(autouse=True)
+def restore_signal_handlers() -> Iterator[None]:
+    """fastspawn.elastic installs SignalException handlers in the launching
+    process, as torch does, for good: put ours back after each test, or
+    "fork" workers of later tests would inherit them."""
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True)
 def no_leaks(private_tmpdir: str) -> Iterator[None]:
     """Fail a test that leaves a child, a zombie, an fd or a temp file behind.
 

@@ -21,17 +21,6 @@ from fastspawn.elastic import Std
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(autouse=True)
-def restore_signal_handlers():
-    saved = {
-        sig: signal.getsignal(sig)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-    }
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def empty(n: int) -> dict[int, dict[str, str]]:
     return {rank: {} for rank in range(n)}
 

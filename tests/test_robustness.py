@@ -168,8 +168,6 @@ def test_ctrl_c_while_the_zygote_prepares_a_launch_leaves_nothing(tmp_path, monk
     (tmp_path / "fastspawn_slow_preload.py").write_text("import time\ntime.sleep(2)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote is up
-    # (elastic tests in this process may have installed their handler)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -179,7 +177,6 @@ def test_ctrl_c_while_the_zygote_prepares_a_launch_leaves_nothing(tmp_path, monk
             )
     finally:
         timer.cancel()
-        signal.signal(signal.SIGINT, previous)
     zygote = _launch.get_server().pid
     deadline = time.monotonic() + 10
     while children_of(zygote):
