@@ -135,15 +135,21 @@ class ProcessFailure:
         self.message = ""
         self.timestamp = int(time.time())
         if os.path.isfile(self.error_file):
-            with open(self.error_file) as f:
-                self.error_file_data = json.load(f)
-            message = self.error_file_data["message"]
-            if isinstance(message, str):
-                self.message = message
-                self.timestamp = int(self.error_file_data.get("timestamp", 0))
-            else:
-                self.message = message["message"]
-                self.timestamp = int(message["extraInfo"]["timestamp"])
+            try:
+                self._read_error_file()
+            except (OSError, ValueError, LookupError, TypeError) as exc:
+                # Cut short (the rank was killed while writing it), or not
+                # ours: the exit code says what is known.
+                log.warning(
+                    "rank %d: its error file %s could not be read (%s: %s); reporting "
+                    "its exit code instead",
+                    self.local_rank,
+                    self.error_file,
+                    type(exc).__name__,
+                    exc,
+                )
+                self.error_file_data = dict(_EMPTY_ERROR_DATA)
+                self.message = ""
         else:
             self.error_file = _NOT_AVAILABLE
         if not self.message:
@@ -156,6 +162,18 @@ class ProcessFailure:
                     f"{_EMPTY_ERROR_DATA['message']}: rank {self.local_rank} exited with code "
                     f"{self.exitcode} and wrote no error file"
                 )
+
+    def _read_error_file(self) -> None:
+        with open(self.error_file) as f:
+            data = json.load(f)
+        message = data["message"]
+        if isinstance(message, str):
+            self.message = message
+            self.timestamp = int(data.get("timestamp", 0))
+        else:
+            self.message = str(message["message"])
+            self.timestamp = int(message["extraInfo"]["timestamp"])
+        self.error_file_data = data
 
     def signal_name(self) -> str:
         return signal_name(-self.exitcode) if self.exitcode < 0 else _NOT_AVAILABLE

@@ -196,6 +196,20 @@ def test_binary_exit_138(tmp_path):
     assert failure.signal_name() == "<N/A>"
 
 
+@pytest.mark.parametrize("content", ['{"message": {"mess', "[1, 2]", '{"message": {}}'])
+def test_unreadable_error_file_falls_back_to_the_exit_code(tmp_path, content, caplog):
+    # A rank killed while writing its error file (or writing a foreign one)
+    # must not make wait() raise.
+    script = f"printf '%s' '{content}' > \"$TORCHELASTIC_ERROR_FILE\"; exit 3"
+    ctx = start("/bin/sh", {0: ("-c", script)}, tmp_path)
+    result = ctx.wait(timeout=60)
+    failure = result.failures[0]
+    assert failure.exitcode == 3
+    assert failure.error_file_data == {"message": "<NONE>"}
+    assert failure.message.startswith("<NONE>")
+    assert "could not be read" in caplog.text
+
+
 def test_binary_killed_by_sigsegv_keeps_last_lines(tmp_path, capfd):
     ctx = start("/bin/sh", {0: ("-c", "echo last words; kill -SEGV $$")}, tmp_path, tee=Std.ALL)
     result = ctx.wait(timeout=60)
