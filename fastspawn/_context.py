@@ -43,6 +43,15 @@ _live_contexts: set[ProcessContext] = set()
 _CHANNEL = 1 << 62  # the waiter token of the report channel (ranks are the others)
 
 
+def _in_group(pid: int, group: int) -> bool:
+    """Whether ``pid`` is (still) in process group ``group``; a pid gone
+    since counts as in it (nothing to signal)."""
+    try:
+        return os.getpgid(pid) == group
+    except ProcessLookupError:
+        return True
+
+
 class ProcessContext:
     """The workers of one launch, joined together.
 
@@ -80,11 +89,13 @@ class ProcessContext:
             self._watched.add(proc.rank)
             self._pending[proc.rank] = proc
             proc.on_close = self._forget
+        self._open_pidfds = len(processes)  # closed by _forget, one by one
         self._failed = False
         # After a failure: the other ranks that ended badly (stopped by the
         # signal, say), by rank, each raised by one more join() as torch does.
         self._unreported: list[int] = []
-        _live_contexts.add(self)
+        if processes:
+            _live_contexts.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -97,11 +108,17 @@ class ProcessContext:
         return [int(p.pid) for p in self.processes]
 
     def _forget(self, proc: Process) -> None:
-        """A worker's pidfd is about to close: stop watching it."""
+        """A worker's pidfd is about to close (it was reaped): stop watching
+        it.  Once all are, nothing is left to shut down at exit: the context
+        need not be held (joined through its processes, say, never itself)."""
         if self._waiter is not None and proc.rank in self._watched:
             self._waiter.remove(proc.sentinel)
             self._watched.discard(proc.rank)
             self._reaped_elsewhere.append(proc.rank)
+        self._open_pidfds -= 1
+        if self._open_pidfds == 0:
+            _live_contexts.discard(self)
+            _launch.forget_groups(self._watched_groups)
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for any worker to exit; on a failure, stop the rest and raise.
@@ -252,10 +269,14 @@ class ProcessContext:
             try:
                 os.killpg(self._group, sig)
             except (ProcessLookupError, PermissionError):
-                pass
-        # One by one too (after the group, so the signal reaches most of them
-        # at once): a worker may have left the group (setsid(), setpgid()).
-        for proc in procs:
+                procs_left = procs
+            else:
+                # A worker may have left the group (setsid(), setpgid()):
+                # those get it one by one, the others must not get it twice.
+                procs_left = [proc for proc in procs if not _in_group(proc.pid, self._group)]
+        else:
+            procs_left = procs
+        for proc in procs_left:
             proc._signal(sig)
 
     def _exception(self, rank: int) -> Exception:

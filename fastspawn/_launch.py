@@ -381,18 +381,21 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         tx.close()
     reports = rx.reports
 
+    watched_ranks: set[int] = set()
+
     def watch_new_groups() -> None:
         # As the pids arrive, not once all have: should the zygote die in
         # the middle of the launch, the children of the ranks up already
         # must go too.  Rank 0 leads the launch's group; a binary rank leads
         # a session of its own (a pid that never became a group: no harm).
-        ranks = [0] if req.process_group else sorted(reports.pids)
-        new = [reports.pids[r][0] for r in ranks if r in reports.pids]
-        new = [g for g in new if g not in req.watched_groups]
+        leaders = [0] if req.process_group else reports.pids
+        new = [r for r in leaders if r in reports.pids and r not in watched_ranks]
         if new:
-            req.watched_groups += new
+            watched_ranks.update(new)
+            groups = [reports.pids[r][0] for r in new]
+            req.watched_groups += groups
             with server.lock:
-                server.groups.update(new)
+                server.groups.update(groups)
 
     try:
         while len(reports.pids) < req.nprocs and reports.launch_failed is None:

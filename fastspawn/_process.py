@@ -61,6 +61,7 @@ class Process:
         self._receiver = receiver
         self._is_child = is_child
         self._exitcode: int | None = None
+        self._exited_at: float | None = None  # first seen exited, no status yet
         self.name = f"fastspawn-worker-{rank}"
         # Called just before the pidfd is closed (the context unregisters it).
         self.on_close: Callable[[Process], None] | None = None
@@ -110,7 +111,9 @@ class Process:
             # the channel's end if the zygote itself died (its workers then
             # die too, closing the channel).  The deadline only guards
             # against a wedged zygote.
-            give_up = time.monotonic() + 60.0
+            if self._exited_at is None:
+                self._exited_at = time.monotonic()
+            give_up = self._exited_at + 60.0  # across calls with short deadlines too
             until = give_up if deadline is None else min(deadline, give_up)
             while self.rank not in reports.exits and not reports.eof:
                 left = until - time.monotonic()

@@ -189,6 +189,10 @@ class _Zygote:
             self.epoll.register(fd, select.EPOLLIN)
         self.workers: dict[int, tuple[_Launch, int]] = {}  # pid -> (launch, rank)
         self.channels: dict[int, _Launch] = {}  # tx fd -> launch
+        # Channel fds closed while handling the current batch of events: a
+        # later event of the batch for that number is stale, even if a new
+        # launch got the number since (its hang-up must not end the new one).
+        self.closed_in_batch: set[int] = set()
         self.settled_modules = 0  # len(sys.modules) at the last settle()
         self.to_collapse: list[int] = []  # stretches for collapse_when_idle
 
@@ -263,7 +267,10 @@ class _Zygote:
             if collapsing:
                 self.collapse_when_idle()
                 continue
+            self.closed_in_batch.clear()
             for fd, mask in events:
+                if fd in self.closed_in_batch:
+                    continue
                 if fd == self.control.fileno():
                     if not self.on_control():
                         return
@@ -486,6 +493,7 @@ class _Zygote:
                 del self.channels[fd]
                 self.epoll.unregister(fd)
             launch.tx.close()
+            self.closed_in_batch.add(fd)
             return
         if sent == launch.watching_out:
             # Always watched for the caller hanging up; for room to write

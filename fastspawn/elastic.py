@@ -47,21 +47,26 @@ _NOT_AVAILABLE = "<N/A>"
 _EMPTY_ERROR_DATA = {"message": "<NONE>"}
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
-# The signal of the last SignalException raised here, and the contexts
-# started and not yet closed: after such a signal, interpreter exit closes
-# them with it (see _close_after_signal).
-_received_signal: signal.Signals | None = None
+# The contexts started and not yet closed, and for each one that was live
+# when a SignalException was raised here, that signal: interpreter exit
+# closes those still live with it (see _close_after_signal).  Contexts
+# started after a signal the caller handled are waited for as usual.
 _live_contexts: set[PContext] = set()  # held: a dropped one is closed too
+_signalled: dict[PContext, signal.Signals] = {}
 
 
 def _forget_in_child() -> None:
     # A process forked from ours exits without closing our ranks.
-    global _received_signal
-    _received_signal = None
+    _signalled.clear()
     _live_contexts.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _forget_context(context: PContext) -> None:
+    _live_contexts.discard(context)
+    _signalled.pop(context, None)
 
 
 class SignalException(Exception):
@@ -74,9 +79,9 @@ class SignalException(Exception):
 
 
 def _raise_signal_exception(signum: int, frame: Any) -> None:
-    global _received_signal
     sigval = signal.Signals(signum)
-    _received_signal = sigval
+    for context in _live_contexts:
+        _signalled.setdefault(context, sigval)
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
@@ -410,7 +415,7 @@ class PContext:
                 error_file=self.error_files[rank],
             )
             self._tee.join(5.0)
-            _live_contexts.discard(self)  # every rank is reaped
+            _forget_context(self)  # every rank is reaped
             self._result = RunProcsResult(
                 failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
             )
@@ -418,7 +423,7 @@ class PContext:
         if not done:
             return None
         self._tee.join(5.0)
-        _live_contexts.discard(self)
+        _forget_context(self)
         self._result = self._success()
         return self._result
 
@@ -488,7 +493,7 @@ class PContext:
         """
         if self._ctx is None:
             return
-        _live_contexts.discard(self)
+        _forget_context(self)
         sig = signal.SIGTERM if death_sig is None else death_sig
         procs = [p for p in self._ctx.processes if p._exitcode is None]
         for proc in procs:
@@ -539,8 +544,8 @@ def _close_after_signal() -> None:
     Registered when this module is imported, after _context (imported
     above) registered its hook, so it runs first: atexit is LIFO.
     """
-    sig = _received_signal
-    if sig is None:
+    to_close = [(ctx, sig) for ctx, sig in _signalled.items() if ctx in _live_contexts]
+    if not to_close:
         return
     # A second signal now ends the launcher at once (the ranks die with it,
     # PR_SET_PDEATHSIG) rather than raising in the middle of the close.
@@ -550,7 +555,7 @@ def _close_after_signal() -> None:
                 signal.signal(handled, signal.SIG_DFL)
         except ValueError:  # not the main thread
             break
-    for context in list(_live_contexts):
+    for context, sig in to_close:
         try:
             context.close(sig)
         except Exception:

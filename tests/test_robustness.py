@@ -254,3 +254,65 @@ def test_large_environment_reaches_the_workers(monkeypatch):
     )
     assert ctx.return_values[0] == {"BIG": "x" * 150_000, "FASTSPAWN_TEST_BIG": "c" * 150_000}
     assert ctx.return_values[1]["BIG"] == "y"
+
+
+def test_each_worker_gets_one_sigterm(tmp_path):
+    # After the group's killpg, only workers that left the group get the
+    # signal one by one: a handler that takes its time must not be cut short
+    # by a second SIGTERM.  (256 ranks: with few, both arrive before the
+    # first handler runs and merge.)
+    ctx = fastspawn.start_processes(
+        workers.count_sigterms, (str(tmp_path),), nprocs=256, join=False
+    )
+    with pytest.raises(fastspawn.ProcessRaisedException, match="rank 0 fails"):
+        while not ctx.join(timeout=60):
+            pass
+    counts = {p.name: p.read_text().count("SIGTERM") for p in tmp_path.iterdir()}
+    assert counts and set(counts.values()) == {1}, counts
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "fork"])
+def test_contexts_joined_through_their_processes_are_not_kept(start_method):
+    before = len(_context._live_contexts)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        ctx = fastspawn.start_processes(
+            workers.succeed, nprocs=2, join=False, start_method=start_method
+        )
+        for proc in ctx.processes:
+            proc.join()
+    del ctx, proc  # as a caller that moves on would: the fds go with them
+    import gc
+
+    gc.collect()
+    assert len(_context._live_contexts) == before
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_a_handled_signal_does_not_stop_later_contexts(tmp_path):
+    # The caller catches SignalException and closes that context; a context
+    # started afterwards is left to finish at exit, not closed with it.
+    marker = tmp_path / "finished"
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from fastspawn import elastic
+        if __name__ == "__main__":
+            first = elastic.start_processes(
+                "a", "/bin/sleep", {{0: ("30",)}}, {{0: {{}}}}, os.devnull)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except elastic.SignalException as e:
+                first.close(e.sigval)
+            elastic.start_processes(
+                "b", "/bin/sh", {{0: ("-c", "sleep 1.5; touch {marker}")}}, {{0: {{}}}},
+                os.devnull)
+        """
+    )
+    import subprocess
+
+    script = tmp_path / "driver.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert marker.exists(), done.stderr

@@ -256,3 +256,20 @@ def leave_group_or_raise(rank: int) -> None:
         time.sleep(60)
     time.sleep(0.5)
     raise ValueError("rank 0 fails")
+
+
+def count_sigterms(rank: int, folder: str) -> None:
+    """Rank 0 fails after 0.5 s; the others note each SIGTERM they get in a
+    file of their own, and take 0.3 s to shut down after the first."""
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        with open(os.path.join(folder, str(rank)), "a") as f:
+            f.write("SIGTERM\n")
+        time.sleep(0.3)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    time.sleep(0.5)
+    if rank == 0:
+        raise ValueError("rank 0 fails")
+    time.sleep(60)
