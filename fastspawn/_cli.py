@@ -260,9 +260,9 @@ def run(args: argparse.Namespace) -> int:
     nprocs = args.nprocs_per_node
     nnodes, node_rank, addr, port = topology(args, os.environ)
     program = args.program
+    # argparse has removed the first "--" (the one before the program, when
+    # given); a later one is the program's own and stays.
     program_args: Sequence[str] = args.program_args
-    if program_args and program_args[0] == "--":
-        program_args = program_args[1:]
     if program.endswith(".py"):
         entrypoint = sys.executable
         argv = ["-u", program, *program_args]

@@ -296,11 +296,21 @@ def get_server() -> ServerClient:
 
 
 def preload(modules: Sequence[str]) -> None:
-    """Start the zygote now, and import ``modules`` in it in the background."""
+    """Start the zygote now, and import ``modules`` in it in the background.
+
+    Nothing happens while this process is itself being prepared from the
+    caller's main module (the zygote, a spawned worker): a script that calls
+    preload() or patch_torch() at top level, outside its ``__main__`` guard,
+    runs that call there too, and must not start a zygote of its own.
+    """
     names = list(modules)
     for name in names:
         if not isinstance(name, str) or not name:
             raise TypeError(f"preload takes module names (str), got {name!r}")
+    from multiprocessing import process
+
+    if getattr(process.current_process(), "_inheriting", False):
+        return
     get_server().send({"op": "preload", "modules": names})
 
 

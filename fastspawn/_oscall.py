@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -12,11 +13,20 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
+def _advice(err: int) -> str:
+    """What to do about the errors that come from limits, not from bugs."""
+    if err in (errno.EMFILE, errno.ENFILE):
+        return "; raise the limit on open files (ulimit -n) or start fewer processes"
+    if err == errno.EAGAIN:
+        return "; the limit on processes (ulimit -u) or threads may be reached"
+    return ""
+
+
 def _raise_errno(call: str) -> NoReturn:
     """Turn the errno of a failed C call into the matching OSError subclass."""
     err = ffi.errno
     # OSError(errno, ...) picks the subclass itself (ProcessLookupError, ...).
-    raise OSError(err, f"{os.strerror(err)} (from {call})")
+    raise OSError(err, f"{os.strerror(err)} (from {call}){_advice(err)}")
 
 
 def set_pdeathsig(sig: int, expected_ppid: int) -> None:
@@ -230,5 +240,8 @@ def launch(
     pid = lib.fs_launch(spec, pidfd)
     if pid < 0:
         err = ffi.errno
+        if err in (errno.EMFILE, errno.ENFILE, errno.EAGAIN):
+            # A limit of this process, not a problem with the binary.
+            raise OSError(err, f"{os.strerror(err)} (from fs_launch){_advice(err)}")
         raise OSError(err, f"{os.strerror(err)} (from fs_launch)", path)
     return int(pid), int(pidfd[0])

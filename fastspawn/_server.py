@@ -560,13 +560,28 @@ def _in_worker() -> None:
     _worker.reseed()
 
 
+class PreloadError(ImportError):
+    """A module named in a launch's ``preload=`` could not be imported."""
+
+
 def _import_all(modules: Sequence[str], strict: bool = False) -> None:
+    """Import ``modules``.  ``strict`` (a launch's ``preload=``): the first
+    failure raises PreloadError naming the module; else (FASTSPAWN_PRELOAD,
+    fastspawn.preload()) it is printed and the zygote goes on without it."""
     for name in modules:
         try:
             __import__(name)
-        except Exception:
+        except Exception as exc:
             if strict:
-                raise
+                raise PreloadError(
+                    f"fastspawn: preload={list(modules)!r}: the zygote could not import "
+                    f"{name!r} before starting the workers ({type(exc).__name__}: {exc})"
+                ) from exc
+            print(
+                f"fastspawn: could not preload {name!r} (FASTSPAWN_PRELOAD or "
+                "fastspawn.preload()); workers will import it themselves if they need it:",
+                file=sys.stderr,
+            )
             traceback.print_exc()
 
 

@@ -340,3 +340,9 @@ def test_missing_program_removes_only_what_it_created_in_log_dir(tmp_path):
     )
     assert done.returncode == 127, done.stderr
     assert os.listdir(tmp_path) == ["mine"] and os.listdir(mine) == []
+
+
+def test_program_keeps_its_own_double_dash():
+    done = fastspawn_run("--nprocs-per-node", "1", "--", "/bin/echo", "--", "x")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "-- x"

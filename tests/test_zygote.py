@@ -325,3 +325,38 @@ def test_hugepages_opt_out(monkeypatch):
         assert ctx.return_values[0] == (0, 0, 0)  # arenas left where they were
     finally:
         fastspawn.stop_zygote()  # the next test's zygote gets the default
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_preload_at_top_level_of_the_main_script(tmp_path, start_method):
+    # fastspawn.preload() (or patch_torch()) written above the __main__
+    # guard runs again where the main module is imported (the zygote, a
+    # spawned worker): there it must do nothing, not start another zygote.
+    script = tmp_path / "main_script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import fastspawn
+            fastspawn.preload(["json"])
+
+            def work(rank):
+                return rank
+
+            if __name__ == "__main__":
+                ctx = fastspawn.start_processes(work, nprocs=2, start_method={start_method!r})
+                print(sorted(ctx.return_values.values()))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1]"
+
+
+def test_preload_failure_names_the_module_and_the_argument():
+    with pytest.raises(fastspawn.ProcessRaisedException) as info:
+        fastspawn.start_processes(workers.succeed, nprocs=1, preload=["no_such_mod_fs"])
+    last = str(info.value).rstrip().splitlines()[-1]
+    assert "preload=['no_such_mod_fs']" in last and "could not import 'no_such_mod_fs'" in last
