@@ -123,9 +123,10 @@ class Process:
             if self.rank not in reports.exits and until < give_up and not reports.eof:
                 return  # the caller's time ran out first: still unknown
             if self.rank not in reports.exits:
-                log.error(
+                log.warning(
                     "no exit status came for worker %d (pid %d): the fastspawn zygote "
-                    "died or hangs; counting the worker as killed by SIGKILL",
+                    "was stopped (fastspawn.stop_zygote()), died or hangs; counting the "
+                    "worker as killed by SIGKILL",
                     self.rank,
                     self.pid,
                 )
