@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
@@ -90,6 +91,7 @@ class ProcessContext:
             self._pending[proc.rank] = proc
             proc.on_close = self._forget
         self._open_pidfds = len(processes)  # closed by _forget, one by one
+        self._join_lock = threading.Lock()
         self._failed = False
         # After a failure: the other ranks that ended badly (stopped by the
         # signal, say), by rank, each raised by one more join() as torch does.
@@ -141,6 +143,12 @@ class ProcessContext:
                 traceback.
             ProcessExitedException: a worker exited non-zero or was killed.
         """
+        # One join at a time: two threads joining at once would close the
+        # waiter and the channel under each other.
+        with self._join_lock:
+            return self._join(timeout, grace_period)
+
+    def _join(self, timeout: float | None, grace_period: float | None) -> bool:
         if self._unreported:
             raise self._exception(self._unreported.pop(0))
         if not self._pending:
@@ -312,7 +320,8 @@ class ProcessContext:
         for rank in range(len(self.processes)):
             if rank in reports.results:
                 try:
-                    self.return_values[rank] = pickle.loads(reports.results[rank])
+                    # pop: the raw pickle is not kept beside the value.
+                    self.return_values[rank] = pickle.loads(reports.results.pop(rank))
                 except Exception:
                     if not self._failed:
                         raise

@@ -363,6 +363,10 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 stdio_slots.append((rank, stream))
                 stdio_fds.append(fd)
     header["stdio_slots"] = stdio_slots
+    # The fds the arguments carry follow too, in messages of at most MAX_FDS
+    # (the kernel passes 253 a message; a model shared for Hogwild training
+    # carries one per tensor).
+    header["user_fds"] = len(collector.fds)
     # The header goes first in the payload memfd: a control message holds
     # about 200 KB, which a large environment or per-rank envs exceed.
     payload_fd = _payload_memfd(pickle.dumps(header, pickle.HIGHEST_PROTOCOL) + work)
@@ -371,11 +375,10 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
             server = get_server()
             try:
                 with server.lock:
-                    server.send(
-                        {"op": "launch"}, [tx.fileno(), payload_fd, *collector.fds], locked=True
-                    )
-                    for start in range(0, len(stdio_fds), _channel.MAX_FDS):
-                        chunk = stdio_fds[start : start + _channel.MAX_FDS]
+                    server.send({"op": "launch"}, [tx.fileno(), payload_fd], locked=True)
+                    following = [*collector.fds, *stdio_fds]
+                    for start in range(0, len(following), _channel.MAX_FDS):
+                        chunk = following[start : start + _channel.MAX_FDS]
                         server.send({"op": "fds"}, chunk, locked=True)
                 break
             except (BrokenPipeError, ConnectionResetError):

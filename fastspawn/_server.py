@@ -145,6 +145,15 @@ def _adopt_tracker(fd: int) -> None:
             pass
 
 
+def _stdio_by_rank(slots: Sequence[Sequence[int]], fds: Sequence[int]) -> dict[int, list[int]]:
+    """{rank: [stdout fd, stderr fd]} (-1: the caller's) from the launch's
+    (rank, stream) slots and the fds received for them."""
+    stdio: dict[int, list[int]] = {}
+    for (rank, stream), fd in zip(slots, fds, strict=True):
+        stdio.setdefault(rank, [-1, -1])[stream - 1] = fd
+    return stdio
+
+
 def _others_stdio(stdio: Mapping[int, Sequence[int]], rank: int) -> list[int]:
     """The stdio fds of every rank but ``rank``: a worker closes them, so that
     no rank (or binary it becomes) can write into another's log or pipe."""
@@ -306,13 +315,16 @@ class _Zygote:
         (the launch's header, then fn and args) and the fds the arguments
         carry; per-rank stdio fds follow in messages of their own."""
         tx = socket.socket(fileno=fds[0])
-        user_fds = fds[2:]
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
         payload = _worker.read_payload(fds[1])
         header = pickle.load(payload)  # plain data: no import, no fd
         nprocs = int(header["nprocs"])
-        stdio = self.receive_stdio(header["stdio_slots"])
+        # The fds the arguments carry, then the ranks' stdio fds.
+        slots = header["stdio_slots"]
+        following = self.receive_fds(header["user_fds"] + len(slots))
+        user_fds = following[: header["user_fds"]]
+        stdio = _stdio_by_rank(slots, following[header["user_fds"] :])
         launch = _Launch(tx, nprocs)
         fn: Any = None
         args: Any = ()
@@ -399,6 +411,11 @@ class _Zygote:
                     if fd >= 0:
                         os.close(fd)
         del fn, args
+        # Arguments in a reference cycle (an object that refers to itself)
+        # would wait for a collection, or be frozen by settle(), holding the
+        # fds they carry open for every later worker: collect them now.
+        # Cheap: frozen objects are not traversed.
+        gc.collect()
         self.settle()  # what unpickling imported (the module of fn, say)
         # pidfds are opened only now, so no worker inherits its siblings'.
         # None is reaped yet (that happens in the main loop), so each pid
@@ -429,18 +446,18 @@ class _Zygote:
         self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
         self.on_writable(launch)
 
-    def receive_stdio(self, slots: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
-        """Read the per-rank stdio fds that follow a launch message."""
+    def receive_fds(self, count: int) -> list[int]:
+        """Read ``count`` fds from the messages (MAX_FDS at most each) that
+        follow a launch message."""
         fds: list[int] = []
-        while len(fds) < len(slots):
+        while len(fds) < count:
             data, more, _flags = _channel.recv_fds(self.control, _MAX_HEADER, _channel.MAX_FDS)
-            if not data:
-                raise EOFError("the caller went away in the middle of a launch")
             fds.extend(more)
-        stdio: dict[int, list[int]] = {}
-        for (rank, stream), fd in zip(slots, fds, strict=True):
-            stdio.setdefault(rank, [-1, -1])[stream - 1] = fd
-        return stdio
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise EOFError("the caller went away in the middle of a launch")
+        return fds
 
     def on_sigchld(self) -> None:
         try:

@@ -316,3 +316,75 @@ def test_a_handled_signal_does_not_stop_later_contexts(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert marker.exists(), done.stderr
+
+
+def test_more_fds_than_one_message_carries():
+    # 260 connections: more than the 253 fds the kernel passes in one message
+    # (a model shared with share_memory() carries one per tensor).
+    import multiprocessing
+
+    pipes = [multiprocessing.get_context("spawn").Pipe(duplex=False) for _ in range(260)]
+    try:
+        writers = [w for _, w in pipes]
+        fastspawn.start_processes(workers.write_to_all, (writers,), nprocs=1)
+        assert [r.recv() for r, _ in pipes] == [0] * 260
+    finally:
+        for r, w in pipes:
+            r.close()
+            w.close()
+
+
+def test_argument_in_a_reference_cycle_does_not_keep_its_fd_open():
+    import multiprocessing
+
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    try:
+        fastspawn.start_processes(workers.touch_arg, (workers.SelfReferring(writer),), nprocs=1)
+        writer.close()
+        assert reader.recv() == 0
+        # No one else holds the writing end: not the zygote, nor its later workers.
+        fastspawn.start_processes(workers.succeed, nprocs=1)
+        assert reader.poll(10)
+        with pytest.raises(EOFError):
+            reader.recv()
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "fork"])
+def test_worker_waits_for_the_launches_it_left_unjoined(tmp_path, start_method):
+    fastspawn.start_processes(
+        workers.start_inner_and_return,
+        (str(tmp_path), start_method),
+        nprocs=1,
+        start_method=start_method,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inner0", "inner1"]
+
+
+def test_return_values_are_not_kept_twice():
+    ctx = fastspawn.start_processes(workers.big_result, (1 << 20,), nprocs=2)
+    assert len(ctx.return_values[1]) == 1 << 20
+    assert ctx._receiver.reports.results == {}
+
+
+def test_join_from_two_threads_at_once():
+    ctx = fastspawn.start_processes(workers.raise_on, (1, 30.0), nprocs=3, join=False)
+    outcomes: list[BaseException] = []
+
+    def joiner() -> None:
+        try:
+            while not ctx.join(timeout=20):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=joiner) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(outcomes) == 2
+    assert all(isinstance(exc, fastspawn.ProcessException) for exc in outcomes), outcomes
+    assert any("legitimate exception from process 1" in str(exc) for exc in outcomes)

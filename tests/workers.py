@@ -273,3 +273,33 @@ def count_sigterms(rank: int, folder: str) -> None:
     if rank == 0:
         raise ValueError("rank 0 fails")
     time.sleep(60)
+
+
+def write_to_all(rank: int, conns: list[Any]) -> None:
+    for conn in conns:
+        conn.send(rank)
+
+
+class SelfReferring:
+    """An argument in a reference cycle, carrying a connection."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.me = self
+
+
+def touch_arg(rank: int, holder: Any) -> None:
+    holder.conn.send(rank)
+
+
+def start_inner_and_return(rank: int, folder: str, start_method: str) -> None:
+    """Start two inner ranks, unjoined, and return at once."""
+    fastspawn.start_processes(
+        touch_after, (folder,), nprocs=2, join=False, start_method=start_method
+    )
+
+
+def touch_after(rank: int, folder: str) -> None:
+    time.sleep(1.0)
+    with open(os.path.join(folder, f"inner{rank}"), "w"):
+        pass
