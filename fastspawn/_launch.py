@@ -363,9 +363,9 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 stdio_slots.append((rank, stream))
                 stdio_fds.append(fd)
     header["stdio_slots"] = stdio_slots
-    # The fds the arguments carry follow too, in messages of at most MAX_FDS
-    # (the kernel passes 253 a message; a model shared for Hogwild training
-    # carries one per tensor).
+    # The fds the arguments carry, then the stdio fds, MAX_FDS a message at
+    # most (the kernel passes 253 a message; a model shared for Hogwild
+    # training carries one per tensor).
     header["user_fds"] = len(collector.fds)
     # The header goes first in the payload memfd: a control message holds
     # about 200 KB, which a large environment or per-rank envs exceed.
@@ -375,10 +375,15 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
             server = get_server()
             try:
                 with server.lock:
-                    server.send({"op": "launch"}, [tx.fileno(), payload_fd], locked=True)
-                    following = [*collector.fds, *stdio_fds]
-                    for start in range(0, len(following), _channel.MAX_FDS):
-                        chunk = following[start : start + _channel.MAX_FDS]
+                    # One message for the launch, whatever nprocs is; fds
+                    # beyond what it holds follow in messages of their own.
+                    carried = [*collector.fds, *stdio_fds]
+                    first = _channel.MAX_FDS - 2
+                    server.send(
+                        {"op": "launch"}, [tx.fileno(), payload_fd, *carried[:first]], locked=True
+                    )
+                    for start in range(first, len(carried), _channel.MAX_FDS):
+                        chunk = carried[start : start + _channel.MAX_FDS]
                         server.send({"op": "fds"}, chunk, locked=True)
                 break
             except (BrokenPipeError, ConnectionResetError):

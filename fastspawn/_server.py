@@ -312,19 +312,22 @@ class _Zygote:
 
     def launch(self, fds: list[int]) -> None:
         """One launch: ``fds`` are its report channel, its payload memfd
-        (the launch's header, then fn and args) and the fds the arguments
-        carry; per-rank stdio fds follow in messages of their own."""
+        (the launch's header, then fn and args), then the fds the arguments
+        carry and the ranks' stdio fds, those that did not fit following in
+        messages of their own."""
         tx = socket.socket(fileno=fds[0])
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
         payload = _worker.read_payload(fds[1])
         header = pickle.load(payload)  # plain data: no import, no fd
         nprocs = int(header["nprocs"])
-        # The fds the arguments carry, then the ranks' stdio fds.
+        # The fds the arguments carry, then the ranks' stdio fds: as many as
+        # the launch message held, the rest in the messages that follow.
         slots = header["stdio_slots"]
-        following = self.receive_fds(header["user_fds"] + len(slots))
-        user_fds = following[: header["user_fds"]]
-        stdio = _stdio_by_rank(slots, following[header["user_fds"] :])
+        carried = fds[2:]
+        carried += self.receive_fds(header["user_fds"] + len(slots) - len(carried))
+        user_fds = carried[: header["user_fds"]]
+        stdio = _stdio_by_rank(slots, carried[header["user_fds"] :])
         launch = _Launch(tx, nprocs)
         fn: Any = None
         args: Any = ()
