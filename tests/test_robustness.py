@@ -149,9 +149,9 @@ def test_forked_child_leaves_the_parents_workers_alone():
     pid = os.fork()
     if pid == 0:
         try:
-            started = time.monotonic()
+            mine = bool(_context._live_contexts)  # the parent's must not be ours
             _context._at_exit()
-            os._exit(0 if time.monotonic() - started < 0.5 else 1)
+            os._exit(1 if mine else 0)
         finally:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
