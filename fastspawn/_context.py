@@ -92,6 +92,7 @@ class ProcessContext:
             proc.on_close = self._forget
         self._open_pidfds = len(processes)  # closed by _forget, one by one
         self._join_lock = threading.Lock()
+        self._finish_error: Exception | None = None  # see _finish
         self._failed = False
         # After a failure: the other ranks that ended badly (stopped by the
         # signal, say), by rank, each raised by one more join() as torch does.
@@ -144,9 +145,16 @@ class ProcessContext:
             ProcessExitedException: a worker exited non-zero or was killed.
         """
         # One join at a time: two threads joining at once would close the
-        # waiter and the channel under each other.
-        with self._join_lock:
-            return self._join(timeout, grace_period)
+        # waiter and the channel under each other.  The wait for the lock
+        # counts against the timeout.
+        started = time.monotonic()
+        if not self._join_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+            return self._join(left, grace_period)
+        finally:
+            self._join_lock.release()
 
     def _join(self, timeout: float | None, grace_period: float | None) -> bool:
         if self._unreported:
@@ -312,19 +320,26 @@ class ProcessContext:
         )
 
     def _finish(self) -> None:
-        """Every worker is reaped: collect return values, release every fd."""
+        """Every worker is reaped: collect return values, release every fd.
+
+        A value that cannot be unpickled here raises, after the fds are
+        released, from this join and every later one."""
         if self._waiter is None:
+            if self._finish_error is not None:
+                raise self._finish_error
             return
         self._receiver.drain()
         reports = self._receiver.reports
         for rank in range(len(self.processes)):
             if rank in reports.results:
                 try:
-                    # pop: the raw pickle is not kept beside the value.
-                    self.return_values[rank] = pickle.loads(reports.results.pop(rank))
-                except Exception:
+                    self.return_values[rank] = pickle.loads(reports.results[rank])
+                    del reports.results[rank]  # the raw pickle is not kept beside the value
+                except Exception as exc:
                     if not self._failed:
-                        raise
+                        if self._finish_error is None:
+                            self._finish_error = exc
+                        continue
                     # The failure is what the caller must hear of.
                     log.warning(
                         "rank %d returned a value that could not be unpickled; it is "
@@ -348,11 +363,21 @@ class ProcessContext:
         self._receiver.close()
         _launch.forget_groups(self._watched_groups)
         _live_contexts.discard(self)
+        if self._finish_error is not None:
+            raise self._finish_error
 
     def _shutdown_at_exit(self) -> None:
         """What multiprocessing does at interpreter exit: terminate daemonic
         workers, wait for the others."""
-        self._end(signal.SIGTERM if self.daemon else None)
+        # A join running in another thread finishes first; one that blocks
+        # (a daemon thread waiting on daemonic workers, say) must not hold
+        # up the exit.
+        got = self._join_lock.acquire(timeout=1.0)
+        try:
+            self._end(signal.SIGTERM if self.daemon else None)
+        finally:
+            if got:
+                self._join_lock.release()
 
 
 class SpawnContext(ProcessContext):

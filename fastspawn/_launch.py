@@ -323,6 +323,9 @@ def stop_server() -> None:
             _server = None
 
 
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+
+
 def current_dir() -> str:
     """os.getcwd(), or an error that says what to do when it is gone."""
     try:
@@ -382,9 +385,18 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                     server.send(
                         {"op": "launch"}, [tx.fileno(), payload_fd, *carried[:first]], locked=True
                     )
-                    for start in range(first, len(carried), _channel.MAX_FDS):
-                        chunk = carried[start : start + _channel.MAX_FDS]
-                        server.send({"op": "fds"}, chunk, locked=True)
+                    if len(carried) > first:
+                        # Once the launch message is out, the rest must follow:
+                        # a Ctrl-C in between would leave the zygote waiting
+                        # for fds and reading the next launch as those.
+                        # Signals wait (pending) until they are sent.
+                        masked = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+                        try:
+                            for start in range(first, len(carried), _channel.MAX_FDS):
+                                chunk = carried[start : start + _channel.MAX_FDS]
+                                server.send({"op": "fds"}, chunk, locked=True)
+                        finally:
+                            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
                 break
             except (BrokenPipeError, ConnectionResetError):
                 if attempt == 2:

@@ -118,16 +118,17 @@ def flush_std_streams() -> None:
 def _finish(code: int, run_atexit: bool) -> NoReturn:
     """Run what multiprocessing runs at a worker's end, then exit."""
     try:
-        # Launches this worker made and left unjoined: waited for (or, if
-        # daemonic, stopped) as at any interpreter exit.  os._exit below
-        # skips the atexit handlers that would do it.
-        context = sys.modules.get("fastspawn._context")
-        if context is not None:
-            context._at_exit()
         from multiprocessing import util
 
         util._exit_function()  # type: ignore[attr-defined]
         threading._shutdown()  # type: ignore[attr-defined]
+        # Launches this worker made and left unjoined: waited for (or, if
+        # daemonic, stopped) as at any interpreter exit, once its threads
+        # (which may be joining them) are done.  os._exit below skips the
+        # atexit handlers that would do it.
+        context = sys.modules.get("fastspawn._context")
+        if context is not None:
+            context._at_exit()
         if run_atexit:
             atexit._run_exitfuncs()
     except BaseException:

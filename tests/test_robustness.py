@@ -110,7 +110,9 @@ def test_resource_tracker_fd_is_not_kept_per_launch():
         for _ in range(6):
             fastspawn.start_processes(workers.succeed, nprocs=1)
             counts.append(len(zygote_fd_targets()))
-        assert counts[-1] <= counts[1], counts  # it grew by one a launch
+        # It grew by one a launch; one more for a moment is the last launch's
+        # channel, which the zygote closes just after its last message.
+        assert counts[-1] <= counts[1] + 1, counts
     finally:
         queue.close()
 
@@ -388,3 +390,31 @@ def test_join_from_two_threads_at_once():
     assert len(outcomes) == 2
     assert all(isinstance(exc, fastspawn.ProcessException) for exc in outcomes), outcomes
     assert any("legitimate exception from process 1" in str(exc) for exc in outcomes)
+
+
+def test_worker_exit_waits_for_its_threads_before_its_launches(tmp_path):
+    outcome = tmp_path / "outcome"
+    fastspawn.start_processes(workers.join_inner_in_a_thread, (str(outcome),), nprocs=1)
+    assert outcome.read_text() == "INNER OK [(0, 0), (1, 1)]"
+
+
+def test_join_timeout_holds_while_another_thread_joins():
+    ctx = fastspawn.start_processes(workers.sleep_for, (3.0,), nprocs=2, join=False)
+    other = threading.Thread(target=ctx.join)
+    other.start()
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert ctx.join(timeout=0.1) is False
+        assert time.monotonic() - started < 2.0  # not the other join's 3 s
+    finally:
+        other.join(60)
+    assert ctx.join() is True
+
+
+def test_value_that_fails_to_unpickle_keeps_failing():
+    ctx = fastspawn.start_processes(workers.return_unrebuildable, nprocs=2, join=False)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="cannot be rebuilt here"):
+            while not ctx.join(timeout=60):
+                pass

@@ -303,3 +303,44 @@ def touch_after(rank: int, folder: str) -> None:
     time.sleep(1.0)
     with open(os.path.join(folder, f"inner{rank}"), "w"):
         pass
+
+
+def join_inner_in_a_thread(rank: int, path: str) -> None:
+    """Start a launch from a non-daemon thread that joins it, and return
+    while it does: the worker's exit must let that thread finish first.
+    The thread writes what it saw to ``path``."""
+    import threading
+
+    def run() -> None:
+        try:
+            ctx = fastspawn.start_processes(sleep_then_square, nprocs=2, join=False)
+            while not ctx.join():
+                pass
+            outcome = f"INNER OK {sorted(ctx.return_values.items())}"
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outcome = f"INNER FAILED {exc!r}"
+        with open(path, "w") as f:
+            f.write(outcome)
+
+    threading.Thread(target=run).start()
+    time.sleep(0.2)
+
+
+def sleep_then_square(rank: int) -> int:
+    time.sleep(1.0)
+    return rank * rank
+
+
+class FailsToUnpickle:
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise ValueError("cannot be rebuilt here")
+
+
+def return_unrebuildable(rank: int) -> Any:
+    if rank == 0:
+        return FailsToUnpickle()
+    return rank
