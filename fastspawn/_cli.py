@@ -239,7 +239,7 @@ def _missing_ancestor(path: str) -> str | None:
 
 
 def _remove_created(attempt_dir: str, log_dir: str, created: str | None) -> None:
-    """After the first start failed: remove the attempt directory, then each
+    """After a start failed: remove the attempt directory, then each
     directory this run created above it up to ``created`` (rmdir: only while
     empty, so nothing of anyone else's goes)."""
     shutil.rmtree(attempt_dir, ignore_errors=True)
@@ -312,10 +312,9 @@ def run(args: argparse.Namespace) -> int:
                 # Nothing ran: keep no empty log directories.  start_processes
                 # removed the rank directories it made.
                 if log_dir is not None:
-                    if attempt == 0:
-                        _remove_created(attempt_dir, log_dir, created)
-                    else:
-                        shutil.rmtree(attempt_dir, ignore_errors=True)
+                    # rmdir stops at the first directory not empty: one that
+                    # holds an earlier attempt's logs, or the user's files.
+                    _remove_created(attempt_dir, log_dir, created)
                 raise
             if attempt == 0 and log_dir is not None and args.log_dir is None:
                 print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)

@@ -469,8 +469,9 @@ _METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]]
 def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     """Start every rank of ``req``; on failure nothing is left running."""
     _oscall.require_pidfds()
-    if req.start_method != "fork":
-        current_dir()  # spawn-like workers start there: a clear error if it is gone
+    if req.start_method == "spawn":
+        current_dir()  # its workers start there: a clear error if it is gone
+        # (the zygote's launch reads it for its header, with the same check)
     method = _METHODS[req.start_method]
     if req.start_method in ("zygote", "forkserver"):
         return method(req, tx, rx)  # the zygote does the forking

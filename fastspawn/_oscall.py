@@ -240,8 +240,9 @@ def launch(
     pid = lib.fs_launch(spec, pidfd)
     if pid < 0:
         err = ffi.errno
-        if err in (errno.EMFILE, errno.ENFILE, errno.EAGAIN):
-            # A limit of this process, not a problem with the binary.
-            raise OSError(err, f"{os.strerror(err)} (from fs_launch){_advice(err)}")
-        raise OSError(err, f"{os.strerror(err)} (from fs_launch)", path)
+        advice = _advice(err)
+        message = f"{os.strerror(err)} (from fs_launch){advice}"
+        if advice:
+            raise OSError(err, message)  # a limit of this process, not the binary's fault
+        raise OSError(err, message, path)
     return int(pid), int(pidfd[0])

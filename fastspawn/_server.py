@@ -509,7 +509,7 @@ class _Zygote:
         if launch.tx.fileno() < 0:
             return  # ended already; its last workers are being reaped
         fd = launch.tx.fileno()
-        sent = True if launch.broken else launch.flush()
+        sent = launch.broken or launch.flush()
         if launch.broken:
             self.abandon(launch)
         if launch.done or launch.broken:

@@ -122,15 +122,16 @@ def _finish(code: int, run_atexit: bool) -> NoReturn:
 
         util._exit_function()  # type: ignore[attr-defined]
         threading._shutdown()  # type: ignore[attr-defined]
-        # Launches this worker made and left unjoined: waited for (or, if
-        # daemonic, stopped) as at any interpreter exit, once its threads
-        # (which may be joining them) are done.  os._exit below skips the
-        # atexit handlers that would do it.
-        context = sys.modules.get("fastspawn._context")
-        if context is not None:
-            context._at_exit()
         if run_atexit:
             atexit._run_exitfuncs()
+        else:
+            # Launches this worker made and left unjoined: waited for (or, if
+            # daemonic, stopped) as at any interpreter exit, once its threads
+            # (which may be joining them) are done.  That is fastspawn's own
+            # atexit handler, which os._exit below would skip.
+            context = sys.modules.get("fastspawn._context")
+            if context is not None:
+                context._at_exit()
     except BaseException:
         print_exc()
     flush_std_streams()
