@@ -11,6 +11,7 @@ on through pidfds, tee'd by one event loop.
 
 from __future__ import annotations
 
+import abc
 import atexit
 import enum
 import errno
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +36,9 @@ from fastspawn._tee import Tee
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
     "PContext",
     "ProcessFailure",
     "RunProcsResult",
@@ -242,7 +247,175 @@ def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
 
 
 def _open_log(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    """A new log file, 0600; never one that exists already (another rank's,
+    an earlier attempt's, or a link someone planted)."""
+    if path == os.devnull:
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise FileExistsError(
+            errno.EEXIST,
+            "log file exists already (fastspawn neither appends to nor overwrites a log: "
+            "give each rank and each attempt a path of its own)",
+            path,
+        ) from None
+
+
+@dataclass
+class LogsDest:
+    """Where each rank's output goes, by local rank: what
+    ``LogsSpecs.reify`` returns (torch's ``LogsDest``).
+
+    ``stdouts``/``stderrs``: a file path, ``""`` for the console,
+    ``os.devnull`` to discard.  ``tee_stdouts``/``tee_stderrs``: the ranks
+    whose stream is also shown on the console, prefixed, mapped to the same
+    path as in ``stdouts``/``stderrs`` (``os.devnull`` shows nothing).
+    ``error_files``: where each rank's error file goes.  The filtered files
+    are accepted and not written.
+    """
+
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    tee_stdouts: dict[int, str] = field(default_factory=dict)
+    tee_stderrs: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
+    filtered_stdout: str = ""
+    filtered_stderr: str = ""
+
+
+class LogsSpecs(abc.ABC):
+    """How ranks' output is kept, as torch 2.3+ takes it in
+    ``start_processes(..., logs_specs=...)``: ``reify(envs)`` creates what
+    the ranks will write to and says where (a ``LogsDest``).  It may add
+    variables to ``envs`` (the per-rank environments about to be used).
+
+    Args:
+        log_dir: the directory logs go under.
+        redirects: streams written to each rank's log file.
+        tee: streams written to the log file and shown on the console.
+        local_ranks_filter: when given, only these ranks show output on the
+            console; the others' output goes to their files only.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | Mapping[int, Std] = Std.NONE,
+        tee: Std | Mapping[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        self._root_log_dir = log_dir
+        self._redirects = redirects
+        self._tee = tee
+        self._local_ranks_filter = local_ranks_filter
+
+    @abc.abstractmethod
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Create the ranks' log locations and say where they are."""
+
+    @property
+    @abc.abstractmethod
+    def root_log_dir(self) -> str:
+        """The directory the logs go under."""
+
+
+class DefaultLogsSpecs(LogsSpecs):
+    """torch's default layout: ``{log_dir}/{run_id}_{random}/attempt_{n}/{rank}/``
+    holding ``stdout.log``, ``stderr.log`` and ``error.json``.
+
+    ``run_id`` and ``n`` come from rank 0's ``TORCHELASTIC_RUN_ID`` and
+    ``TORCHELASTIC_RESTART_COUNT`` (``test_run_id`` and ``0`` without them).
+    The run directory is made once per object, 0700, and kept for every
+    attempt; an attempt's directory is made afresh.  ``log_dir`` is created
+    when missing; ``None`` makes a new private directory in the temp dir (it
+    is the caller's to remove); ``os.devnull`` keeps nothing and gives ranks
+    an empty ``TORCHELASTIC_ERROR_FILE``.
+
+    Raises:
+        NotADirectoryError: ``log_dir`` is a file.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | Mapping[int, Std] = Std.NONE,
+        tee: Std | Mapping[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        if log_dir is not None and log_dir != os.devnull:
+            log_dir = os.fspath(log_dir)
+            if os.path.isfile(log_dir):
+                raise NotADirectoryError(f"log_dir: {log_dir} is a file, not a directory")
+            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        super().__init__(log_dir, redirects, tee, local_ranks_filter)
+        self._run_log_dir: str | None = None
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        nprocs = len(envs)
+        first = envs.get(0, {})
+        dest = LogsDest()
+        if self._root_log_dir == os.devnull:
+            for rank in range(nprocs):
+                dest.stdouts[rank] = dest.stderrs[rank] = ""
+                dest.tee_stdouts[rank] = dest.tee_stderrs[rank] = os.devnull
+                dest.error_files[rank] = os.devnull
+                envs[rank][ERROR_FILE_ENV] = ""
+            return dest
+        if self._run_log_dir is None:
+            if self._root_log_dir is None:
+                self._root_log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+            run_id = first.get("TORCHELASTIC_RUN_ID", "test_run_id")
+            self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self._root_log_dir)
+            log.info("log directory set to: %s", self._run_log_dir)
+        attempt = os.path.join(
+            self._run_log_dir, f"attempt_{first.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
+        shutil.rmtree(attempt, ignore_errors=True)
+        os.mkdir(attempt, 0o700)
+        dest.filtered_stdout = os.path.join(attempt, "filtered_stdout.log")
+        dest.filtered_stderr = os.path.join(attempt, "filtered_stderr.log")
+        redirects = to_map(self._redirects, nprocs)
+        tees = to_map(self._tee, nprocs)
+        for rank in range(nprocs):
+            rank_dir = os.path.join(attempt, str(rank))
+            os.mkdir(rank_dir, 0o700)
+            shown = self._local_ranks_filter is None or rank in self._local_ranks_filter
+            for std, name, files, tee_files in (
+                (Std.OUT, "stdout.log", dest.stdouts, dest.tee_stdouts),
+                (Std.ERR, "stderr.log", dest.stderrs, dest.tee_stderrs),
+            ):
+                if (redirects[rank] | tees[rank]) & std:
+                    files[rank] = os.path.join(rank_dir, name)
+                    if tees[rank] & std and shown:
+                        tee_files[rank] = files[rank]
+                else:
+                    files[rank] = "" if shown else os.devnull
+            dest.error_files[rank] = os.path.join(rank_dir, "error.json")
+            envs[rank][ERROR_FILE_ENV] = dest.error_files[rank]
+        return dest
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultLogsSpecs(root_log_dir={self._root_log_dir}, redirects={self._redirects}, "
+            f"tee={self._tee}, local_ranks_filter={self._local_ranks_filter})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DefaultLogsSpecs):
+            return NotImplemented
+        return (
+            self._root_log_dir == other._root_log_dir
+            and self._redirects == other._redirects
+            and self._tee == other._tee
+            and self._local_ranks_filter == other._local_ranks_filter
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and mutable
 
 
 class PContext:
@@ -567,13 +740,19 @@ def start_processes(
     entrypoint: Callable[..., Any] | str,
     args: Mapping[int, Sequence[Any]],
     envs: Mapping[int, Mapping[str, str]],
-    log_dir: str,
+    log_dir: str | os.PathLike[str] | LogsSpecs | None = None,
     start_method: str = _launch.DEFAULT_START_METHOD,
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
     log_line_prefixes: Mapping[int, str] | None = None,
+    *,
+    logs_specs: LogsSpecs | None = None,
 ) -> PContext:
     """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
+
+    Logs are given either way torch has taken them: ``log_dir`` with
+    ``redirects`` and ``tee`` (torch before 2.3), or a ``logs_specs`` object
+    (torch 2.3 and later; in the fifth place, or by keyword).
 
     Args:
         name: a short name, shown in tee'd lines as ``[{name}{rank}]:``.
@@ -588,52 +767,74 @@ def start_processes(
         redirects: streams written to the rank's log file.
         tee: streams written to the log file and shown on the console.
         log_line_prefixes: per rank prefix in place of ``[{name}{rank}]:``.
+        logs_specs: in place of ``log_dir``, ``redirects`` and ``tee``: a
+            ``LogsSpecs`` (``DefaultLogsSpecs``, torch's own, or any object
+            with torch's ``reify(envs) -> LogsDest``).  Ranks without an
+            error file in its ``LogsDest`` get an empty
+            ``TORCHELASTIC_ERROR_FILE``.
 
     Raises:
+        TypeError: both or neither of ``log_dir`` and ``logs_specs``, or
+            ``redirects``/``tee`` given beside ``logs_specs``.
         RuntimeError: ``args``/``envs`` keys are not ``0..n-1``, or
             ``log_dir`` is not empty.
         NotADirectoryError, FileNotFoundError: ``log_dir`` is a file or
             missing.
+        ValueError: a ``LogsDest`` tees a rank's stream from a file other
+            than the one the stream is written to.
+        FileExistsError: a log file the ``LogsDest`` names exists already.
         FileNotFoundError, PermissionError: the binary cannot be found or run.
     """
-    if log_dir != os.devnull and os.listdir(log_dir):
-        raise RuntimeError(f"log_dir: {log_dir} is not empty, please provide an empty log_dir")
+    directory: str | None = None
+    given = [x for x in (log_dir, logs_specs) if x is not None]
+    if isinstance(log_dir, (str, os.PathLike)):
+        directory = os.fspath(log_dir)
+    elif log_dir is not None:
+        logs_specs = log_dir  # torch 2.3+ passes it fifth
+    if len(given) != 1:
+        raise TypeError(
+            "start_processes() takes where logs go as log_dir (a directory) or as "
+            "logs_specs (a LogsSpecs such as DefaultLogsSpecs): give exactly one"
+        )
+    if logs_specs is not None:
+        if not callable(getattr(logs_specs, "reify", None)):
+            raise TypeError(
+                f"logs_specs must be a LogsSpecs (an object with reify(envs)), not "
+                f"{type(logs_specs).__name__}"
+            )
+        if not (redirects is Std.NONE and tee is Std.NONE):
+            raise TypeError(
+                "redirects and tee are part of logs_specs: give them to the LogsSpecs "
+                "(DefaultLogsSpecs(log_dir, redirects=..., tee=...)), not to start_processes"
+            )
+    if directory is not None and directory != os.devnull and os.listdir(directory):
+        raise RuntimeError(f"log_dir: {directory} is not empty, please provide an empty log_dir")
     nprocs = len(args)
     _validate_full_rank(args, nprocs, "args")
     _validate_full_rank(envs, nprocs, "envs")
     if isinstance(redirects, str) or isinstance(tee, str):
         raise TypeError("redirects and tee take Std values or maps; use Std.from_str for strings")
-    redirs = to_map(redirects, nprocs)
-    tees = to_map(tee, nprocs)
     rank_envs = {rank: {k: str(v) for k, v in envs[rank].items()} for rank in range(nprocs)}
     binary_path = None
     if isinstance(entrypoint, str):
         # Before any file is created: a missing binary leaves nothing behind.
         binary_path = _resolve_binary(entrypoint, {**os.environ, **rank_envs.get(0, {})})
-    stdouts = dict.fromkeys(range(nprocs), "")
-    stderrs = dict.fromkeys(range(nprocs), "")
-    tee_out: dict[int, bool] = {}
-    tee_err: dict[int, bool] = {}
-    error_files: dict[int, str] = {}
     rank_dirs: list[str] = []  # created by this call: removed if the start fails
     try:
-        for rank in range(nprocs):
-            tee_out[rank] = bool(tees[rank] & Std.OUT)
-            tee_err[rank] = bool(tees[rank] & Std.ERR)
-            if log_dir == os.devnull:
-                error_files[rank] = os.devnull
-                rank_envs[rank][ERROR_FILE_ENV] = ""
-                continue
-            rank_dir = os.path.join(log_dir, str(rank))
-            os.mkdir(rank_dir, 0o700)
-            rank_dirs.append(rank_dir)
-            wanted = redirs[rank] | tees[rank]
-            if wanted & Std.OUT:
-                stdouts[rank] = os.path.join(rank_dir, "stdout.log")
-            if wanted & Std.ERR:
-                stderrs[rank] = os.path.join(rank_dir, "stderr.log")
-            error_files[rank] = os.path.join(rank_dir, "error.json")
-            rank_envs[rank][ERROR_FILE_ENV] = error_files[rank]
+        if directory is not None:
+            dest = _rank_dirs(
+                directory, to_map(redirects, nprocs), to_map(tee, nprocs), rank_envs, rank_dirs
+            )
+        else:
+            assert logs_specs is not None
+            dest = logs_specs.reify(rank_envs)
+        stdouts = {rank: dest.stdouts.get(rank, "") for rank in range(nprocs)}
+        stderrs = {rank: dest.stderrs.get(rank, "") for rank in range(nprocs)}
+        tee_out = _tee_flags(dest.tee_stdouts, stdouts, "stdout")
+        tee_err = _tee_flags(dest.tee_stderrs, stderrs, "stderr")
+        error_files = {rank: dest.error_files.get(rank, os.devnull) for rank in range(nprocs)}
+        for rank, path in error_files.items():
+            rank_envs[rank].setdefault(ERROR_FILE_ENV, "" if path == os.devnull else path)
         context = PContext(
             name=name,
             entrypoint=entrypoint,
@@ -654,3 +855,61 @@ def start_processes(
             shutil.rmtree(rank_dir, ignore_errors=True)
         raise
     return context
+
+
+def _rank_dirs(
+    log_dir: str,
+    redirects: dict[int, Std],
+    tees: dict[int, Std],
+    envs: dict[int, dict[str, str]],
+    created: list[str],
+) -> LogsDest:
+    """The ``log_dir`` layout: ``{log_dir}/{rank}/`` holding ``stdout.log``,
+    ``stderr.log`` and ``error.json`` (``os.devnull``: no files, tee'd
+    streams shown on the console only).  Appends each directory it makes
+    to ``created``."""
+    dest = LogsDest()
+    for rank in envs:
+        if log_dir == os.devnull:
+            dest.stdouts[rank] = dest.stderrs[rank] = ""
+            if tees[rank] & Std.OUT:
+                dest.tee_stdouts[rank] = ""
+            if tees[rank] & Std.ERR:
+                dest.tee_stderrs[rank] = ""
+            dest.error_files[rank] = os.devnull
+            continue
+        rank_dir = os.path.join(log_dir, str(rank))
+        os.mkdir(rank_dir, 0o700)
+        created.append(rank_dir)
+        for std, name, files, tee_files in (
+            (Std.OUT, "stdout.log", dest.stdouts, dest.tee_stdouts),
+            (Std.ERR, "stderr.log", dest.stderrs, dest.tee_stderrs),
+        ):
+            files[rank] = (
+                os.path.join(rank_dir, name) if (redirects[rank] | tees[rank]) & std else ""
+            )
+            if tees[rank] & std:
+                tee_files[rank] = files[rank]
+        dest.error_files[rank] = os.path.join(rank_dir, "error.json")
+        envs[rank][ERROR_FILE_ENV] = dest.error_files[rank]
+    return dest
+
+
+def _tee_flags(
+    tee_files: Mapping[int, str], files: Mapping[int, str], what: str
+) -> dict[int, bool]:
+    """Which ranks' stream is shown on the console as well.  fastspawn tees
+    the stream itself as it is written (torch tails the file), so a rank's
+    tee file must be the file its stream goes to; ``os.devnull`` shows
+    nothing."""
+    flags = {}
+    for rank, path in files.items():
+        shown = tee_files.get(rank, os.devnull)
+        flags[rank] = shown != os.devnull
+        if flags[rank] and shown not in ("", path):
+            raise ValueError(
+                f"rank {rank}: tee_{what}s names {shown!r} but its {what} goes to "
+                f"{path!r}; fastspawn shows a rank's {what} as it is written, so "
+                f"tee_{what}s must name the same file as {what}s"
+            )
+    return flags

@@ -156,6 +156,135 @@ def test_function_failure_writes_error_json(tmp_path):
     assert stat.S_IMODE(os.stat(failure.error_file).st_mode) == 0o600
 
 
+# ------------------------------------------------------------ logs_specs
+
+
+def test_default_logs_specs_layout_env_and_attempts(tmp_path):
+    root = tmp_path / "logs"  # created by the spec
+    specs = elastic.DefaultLogsSpecs(str(root), redirects=Std.ALL)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    envs = {r: {"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "0"} for r in (0, 1)}
+    ctx = elastic.start_processes("t", workers.elastic_add, {0: (1, 2), 1: (3, 4)}, envs, specs)
+    result = ctx.wait(timeout=60)
+    assert result.return_values == {0: 3, 1: 7}
+    (run_dir,) = root.iterdir()
+    assert run_dir.name.startswith("job7_")
+    attempt = run_dir / "attempt_0"
+    assert result.stdouts == {r: str(attempt / str(r) / "stdout.log") for r in (0, 1)}
+    assert (attempt / "1" / "stdout.log").read_text() == "out 3 4\n"
+    assert (attempt / "1" / "stderr.log").read_text() == "err 3 4\n"
+    assert stat.S_IMODE(os.stat(attempt / "1" / "stdout.log").st_mode) == 0o600
+    # The next attempt, from the same spec, lands beside the first one; the
+    # error file variable follows it.
+    envs = {r: {"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1"} for r in (0, 1)}
+    ctx = elastic.start_processes("t", workers.elastic_env, {0: (), 1: ()}, envs, logs_specs=specs)
+    assert ctx.wait(timeout=60).return_values == {
+        r: str(run_dir / "attempt_1" / str(r) / "error.json") for r in (0, 1)
+    }
+    assert sorted(p.name for p in run_dir.iterdir()) == ["attempt_0", "attempt_1"]
+
+
+def test_logs_specs_failure_reads_its_error_file(tmp_path):
+    specs = elastic.DefaultLogsSpecs(str(tmp_path))
+    ctx = elastic.start_processes("t", workers.elastic_raise, {0: ("boom",)}, empty(1), specs)
+    failure = ctx.wait(timeout=60).failures[0]
+    assert failure.message == "ValueError: boom"
+    (run_dir,) = tmp_path.iterdir()
+    assert run_dir.name.startswith("test_run_id_")
+    assert failure.error_file == str(run_dir / "attempt_0" / "0" / "error.json")
+
+
+def test_logs_specs_tee_and_local_ranks_filter(tmp_path, capfd):
+    specs = elastic.DefaultLogsSpecs(str(tmp_path), tee=Std.OUT, local_ranks_filter={0})
+    ctx = elastic.start_processes("trainer", workers.elastic_stdio, {0: (), 1: ()}, empty(2), specs)
+    result = ctx.wait(timeout=60)
+    (run_dir,) = tmp_path.iterdir()
+    attempt = run_dir / "attempt_0"
+    # Rank 0 is shown: its stdout is tee'd (a pipe to the console, and its
+    # file).  Rank 1 is filtered out: its stdout goes to its file only, its
+    # stderr (not redirected) nowhere.
+    assert result.return_values[0][0].startswith("pipe:")
+    assert result.return_values[1] == (str(attempt / "1" / "stdout.log"), os.devnull)
+    assert capfd.readouterr().out.splitlines() == ["[trainer0]:out"]
+    assert (attempt / "0" / "stdout.log").read_text() == "out\n"
+    assert (attempt / "1" / "stdout.log").read_text() == "out\n"
+    assert not (attempt / "1" / "stderr.log").exists()
+
+
+def test_logs_specs_devnull(tmp_path):
+    specs = elastic.DefaultLogsSpecs(os.devnull, redirects=Std.ALL)
+    ctx = elastic.start_processes("t", workers.elastic_env, {0: ()}, empty(1), specs)
+    assert ctx.wait(timeout=60).return_values == {0: ""}
+
+
+class _OneFileSpecs(elastic.LogsSpecs):
+    """Every rank's stdout to one named file each, no error files."""
+
+    def __init__(self, directory, tee_from=None):
+        super().__init__(str(directory))
+        self.tee_from = tee_from
+
+    @property
+    def root_log_dir(self):
+        return str(self._root_log_dir)
+
+    def reify(self, envs):
+        out = {r: os.path.join(self.root_log_dir, f"out{r}") for r in envs}
+        tee = {r: self.tee_from for r in envs} if self.tee_from else {}
+        return elastic.LogsDest(stdouts=out, tee_stdouts=tee)
+
+
+def test_custom_logs_specs(tmp_path):
+    ctx = elastic.start_processes(
+        "t", workers.elastic_env, {0: (), 1: ()}, empty(2), _OneFileSpecs(tmp_path)
+    )
+    # No error file named: ranks get an empty TORCHELASTIC_ERROR_FILE.
+    assert ctx.wait(timeout=60).return_values == {0: "", 1: ""}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out0", "out1"]
+    # The files exist now: a second run refuses to overwrite them, starts
+    # nothing and leaves them as they were.
+    with pytest.raises(FileExistsError, match="log file exists already.*out0"):
+        elastic.start_processes(
+            "t", workers.elastic_env, {0: (), 1: ()}, empty(2), _OneFileSpecs(tmp_path)
+        )
+    # A tee from another file than the one written cannot be honoured.
+    other = tmp_path / "sub"
+    other.mkdir()
+    with pytest.raises(ValueError, match="tee_stdouts must name the same file"):
+        elastic.start_processes(
+            "t", workers.elastic_env, {0: ()}, empty(1), _OneFileSpecs(other, tee_from="/x")
+        )
+    assert list(other.iterdir()) == []
+
+
+def test_log_dir_and_logs_specs_arguments(tmp_path):
+    specs = elastic.DefaultLogsSpecs(str(tmp_path / "a"))
+    run = (workers.elastic_add, {0: (1, 2)}, empty(1))
+    with pytest.raises(TypeError, match="give exactly one"):
+        elastic.start_processes("t", *run)
+    with pytest.raises(TypeError, match="give exactly one"):
+        elastic.start_processes("t", *run, str(tmp_path), logs_specs=specs)
+    with pytest.raises(TypeError, match="give exactly one"):
+        elastic.start_processes("t", *run, specs, logs_specs=specs)
+    with pytest.raises(TypeError, match="redirects and tee are part of logs_specs"):
+        elastic.start_processes("t", *run, logs_specs=specs, redirects=Std.OUT)
+    with pytest.raises(TypeError, match="must be a LogsSpecs"):
+        elastic.start_processes("t", *run, logs_specs=object())
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        elastic.DefaultLogsSpecs(__file__)
+    assert list((tmp_path / "a").iterdir()) == []
+
+
+def test_torch_default_logs_specs(tmp_path):
+    torch_api = pytest.importorskip("torch.distributed.elastic.multiprocessing.api")
+    specs = torch_api.DefaultLogsSpecs(log_dir=str(tmp_path), redirects=torch_api.Std.ALL)
+    ctx = elastic.start_processes("t", workers.elastic_add, {0: (1, 2)}, empty(1), logs_specs=specs)
+    result = ctx.wait(timeout=60)
+    assert result.return_values == {0: 3}
+    (run_dir,) = tmp_path.iterdir()
+    assert (run_dir / "attempt_0" / "0" / "stdout.log").read_text() == "out 1 2\n"
+
+
 # --------------------------------------------------------------- binaries
 
 

@@ -212,6 +212,14 @@ def elastic_env() -> str | None:
     return os.environ.get("TORCHELASTIC_ERROR_FILE")
 
 
+def elastic_stdio() -> tuple[str, str]:
+    """What this rank's stdout and stderr are (after printing a line to each)."""
+    print("out")
+    print("err", file=sys.stderr)
+    sys.stdout.flush()
+    return os.readlink("/proc/self/fd/1"), os.readlink("/proc/self/fd/2")
+
+
 def gc_state(rank: int) -> tuple[int, int]:
     """(objects frozen by the zygote, cyclic garbage this worker collects)."""
     import gc
