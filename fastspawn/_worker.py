@@ -62,46 +62,76 @@ def entry_code(call: str, first: str = "") -> str:
 
 
 def _exit_code(exc: SystemExit) -> int:
+    """The exit status ``sys.exit(code)`` gives a process: an int modulo 256
+    (``sys.exit(-1)`` exits 255), None 0, anything else printed and 1."""
     code = exc.code
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
+        return code & 0xFF
     print(code, file=sys.stderr)
     return 1
 
 
-def run(rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socket) -> int:
+def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, body: bytes) -> None:
+    """Send a report on ``tx`` if its fd is still the channel it was when
+    the worker started (``channel``: its st_dev, st_ino).  A worker that
+    closed its inherited fds (``os.closerange``) has no channel left, and
+    one that opened something since may have the number back: the report
+    is then dropped with a line on stderr, never written into that file or
+    connection.  The exit code still tells the caller how the rank ended.
+    """
+    try:
+        now = os.fstat(tx.fileno())
+        same = (now.st_dev, now.st_ino) == channel
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        try:
+            print(
+                f"fastspawn: rank {rank} cannot report to its launcher: the worker closed "
+                f"its report channel (fd {tx.fileno()}); only its exit code reaches the caller",
+                file=sys.stderr,
+            )
+        except Exception:
+            pass  # sys.stderr may be gone with the fds the worker closed
+        return
+    _channel.send(tx, rank, kind, body)
+
+
+def run(
+    rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socket
+) -> tuple[int, int]:
     """Call ``fn(rank, *args)`` and report its outcome on ``tx``.
 
-    Returns the exit code.  A KeyboardInterrupt (SIGINT) does not pass as
-    success, as it does under torch: the worker dies by SIGINT after its
-    finalizers ran, so the caller sees the signal.
+    Returns (exit code, signal to die by or 0).  A KeyboardInterrupt (SIGINT)
+    does not pass as success, as it does under torch: the worker dies by
+    SIGINT after its finalizers ran, so the caller sees the signal.
     """
-    interrupted = False
+    stat = os.fstat(tx.fileno())
+    channel = (stat.st_dev, stat.st_ino)
+    signum = 0
     code = 0
     try:
         value = fn(rank, *args)
     except KeyboardInterrupt:
-        interrupted = True
+        signum = signal.SIGINT
         code = 1
     except SystemExit as exc:
         code = _exit_code(exc)
         value = None
     except BaseException:
-        _channel.send(tx, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
+        _report(tx, channel, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
         code = 1
-    if code == 0:
+    if code == 0 and not signum:
         try:
             body = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-            _channel.send(tx, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
+            _report(tx, channel, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
         else:
-            _channel.send(tx, rank, _channel.RESULT, body)
-    if interrupted:
-        return -signal.SIGINT
-    return code
+            _report(tx, channel, rank, _channel.RESULT, body)
+    return code, signum
 
 
 def flush_std_streams() -> None:
@@ -115,30 +145,36 @@ def flush_std_streams() -> None:
             pass
 
 
-def _finish(code: int, run_atexit: bool) -> NoReturn:
-    """Run what multiprocessing runs at a worker's end, then exit."""
+def _finish(code: int, signum: int, run_atexit: bool) -> NoReturn:
+    """Run what multiprocessing runs at a worker's end, then exit with
+    ``code`` (0..255), or die by ``signum`` when it is not 0.  Nothing
+    raised on the way (a SIGINT, a failing handler) stops the exit: a worker
+    must never return into the code that forked it."""
     try:
-        from multiprocessing import util
+        try:
+            from multiprocessing import util
 
-        util._exit_function()  # type: ignore[attr-defined]
-        threading._shutdown()  # type: ignore[attr-defined]
-        if run_atexit:
-            atexit._run_exitfuncs()
-        else:
-            # Launches this worker made and left unjoined: waited for (or, if
-            # daemonic, stopped) as at any interpreter exit, once its threads
-            # (which may be joining them) are done.  That is fastspawn's own
-            # atexit handler, which os._exit below would skip.
-            context = sys.modules.get("fastspawn._context")
-            if context is not None:
-                context._at_exit()
-    except BaseException:
-        print_exc()
-    flush_std_streams()
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    os._exit(code & 0xFF)
+            util._exit_function()  # type: ignore[attr-defined]
+            threading._shutdown()  # type: ignore[attr-defined]
+            if run_atexit:
+                atexit._run_exitfuncs()
+            else:
+                # Launches this worker made and left unjoined: waited for (or,
+                # if daemonic, stopped) as at any interpreter exit, once its
+                # threads (which may be joining them) are done.  That is
+                # fastspawn's own atexit handler, which os._exit would skip.
+                context = sys.modules.get("fastspawn._context")
+                if context is not None:
+                    context._at_exit()
+        except BaseException:
+            print_exc()
+        flush_std_streams()
+        if signum:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            os.kill(os.getpid(), signum)
+    finally:
+        os._exit(code & 0xFF)
 
 
 def _after_fork(rank: int, daemon: bool) -> None:
@@ -203,7 +239,7 @@ def forked_child(
     PR_SET_PDEATHSIG race check.  ``rank_env`` is applied to the environment
     before ``fn`` runs.
     """
-    code = 1
+    code, signum = 1, 0
     try:
         from fastspawn import _oscall  # loaded in the forking process already
 
@@ -225,12 +261,13 @@ def forked_child(
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
         else:
             assert fn is not None
-            code = run(rank, fn, args, tx)
+            code, signum = run(rank, fn, args, tx)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
         print_exc()
-    _finish(code, run_atexit=False)
+    finally:
+        _finish(code, signum, run_atexit=False)
 
 
 def preparation_data(name: str) -> dict[str, Any]:
@@ -293,7 +330,7 @@ def spawn_main() -> NoReturn:
     daemon = sys.argv[4] == "1"
     tracker_fd = int(sys.argv[5])
     _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[6:]]
-    code = 1
+    code, signum = 1, 0
     try:
         # Every rank shares one payload file description, hence one offset:
         # read it with pread, never with read.
@@ -315,9 +352,10 @@ def spawn_main() -> NoReturn:
             else:
                 for fd in _pickling.inherited_fds:
                     os.close(fd)  # the unpickled objects hold their own dups
-                code = run(rank, fn, args, tx)
+                code, signum = run(rank, fn, args, tx)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
         print_exc()
-    _finish(code, run_atexit=True)
+    finally:
+        _finish(code, signum, run_atexit=True)

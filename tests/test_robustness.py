@@ -418,3 +418,31 @@ def test_value_that_fails_to_unpickle_keeps_failing():
         with pytest.raises(ValueError, match="cannot be rebuilt here"):
             while not ctx.join(timeout=60):
                 pass
+
+
+@pytest.mark.parametrize("code, status", [(-1, 255), (-9, 247), (-100, 156), (256 + 3, 3)])
+def test_negative_exit_codes_are_exit_codes(start_method, code, status):
+    # sys.exit(-9) exits 247 (the status is taken modulo 256), as in any
+    # Python process; never "killed by signal 9", and never a worker that
+    # returns into the code that forked it.
+    before = os.getpid()
+    ctx = fastspawn.start_processes(
+        workers.exit_with, (code,), nprocs=2, join=False, start_method=start_method
+    )
+    message = f"process [01] terminated with exit code {status}$"
+    with pytest.raises(fastspawn.ProcessExitedException, match=message) as info:
+        while not ctx.join(timeout=60):
+            pass
+    assert info.value.exit_code == status and info.value.signal_name is None
+    assert os.getpid() == before
+
+
+def test_worker_that_closed_its_report_channel_exits_by_its_own_code(start_method, capfd):
+    ctx = fastspawn.start_processes(
+        workers.close_inherited_fds_and_return, nprocs=2, join=False, start_method=start_method
+    )
+    while not ctx.join(timeout=60):
+        pass
+    assert ctx.return_values == {}
+    if start_method == "spawn":  # else sys.stderr is the zygote's, or went with the fds
+        assert "cannot report to its launcher" in capfd.readouterr().err

@@ -352,3 +352,19 @@ def return_unrebuildable(rank: int) -> Any:
     if rank == 0:
         return FailsToUnpickle()
     return rank
+
+
+def exit_with(rank: int, code: int) -> None:
+    sys.exit(code)
+
+
+def close_inherited_fds_and_return(rank: int) -> int:
+    """Close every fd from 3 on (what some daemonizing code does), open a
+    socket that may get the report channel's number back, then return."""
+    os.closerange(3, 65536)
+    import socket
+
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    globals()["_kept"] = (a, b)
+    return rank
