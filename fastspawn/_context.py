@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import pickle
 import signal
@@ -418,16 +419,21 @@ def _usable_cpus() -> int:
 
 
 def _check_nprocs(nprocs: Any) -> int:
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
-        raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
-    if nprocs == -1:
+    # Any integer type (numpy's too, as torch takes them), not bool or float.
+    try:
+        if isinstance(nprocs, bool):
+            raise TypeError
+        count: int = operator.index(nprocs)
+    except TypeError:
+        raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}") from None
+    if count == -1:
         return _usable_cpus()
-    if nprocs < 0:
+    if count < 0:
         raise ValueError(
             f"nprocs must be a number of processes, 0 or more (or -1 for one per usable "
-            f"CPU), got {nprocs}"
+            f"CPU), got {count}"
         )
-    return nprocs
+    return count
 
 
 def _check_envs(envs: Any, nprocs: int) -> dict[int, dict[str, str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -18,6 +19,11 @@ _NAMES = {
 }
 
 _originals: dict[tuple[str, str], Any] = {}
+_ABSENT = object()  # a name the module did not have (older torch): deleted again
+# torch logs its terminate/kill warnings under its module's name; patched,
+# fastspawn's go there too, so logging set up for torch's keeps working.
+_TORCH_LOGGER = "torch.multiprocessing.spawn"
+_own_logger = _context.log
 
 
 def _modules() -> list[Any]:
@@ -30,7 +36,8 @@ def _modules() -> list[Any]:
 
 def patch_torch(preload: bool = True) -> None:
     """Make ``torch.multiprocessing.spawn`` / ``start_processes`` (and the
-    ``ProcessContext`` and exception names) those of fastspawn.
+    ``ProcessContext`` and exception names) those of fastspawn, logging its
+    warnings under torch's logger name (``torch.multiprocessing.spawn``).
 
     Call it before importing code that copies these names at import time
     (``from torch.multiprocessing.spawn import ProcessExitedException``).
@@ -46,8 +53,9 @@ def patch_torch(preload: bool = True) -> None:
         for name, ours in _NAMES.items():
             key = (module.__name__, name)
             if key not in _originals:
-                _originals[key] = getattr(module, name, None)
+                _originals[key] = getattr(module, name, _ABSENT)
             setattr(module, name, ours)
+    _context.log = logging.getLogger(_TORCH_LOGGER)
     if preload:
         _launch.preload(["torch"])
 
@@ -56,6 +64,12 @@ def unpatch_torch() -> None:
     """Restore what :func:`patch_torch` replaced."""
     for (module_name, name), original in _originals.items():
         module = sys.modules.get(module_name)
-        if module is not None:
+        if module is None:
+            continue
+        if original is _ABSENT:
+            if hasattr(module, name):
+                delattr(module, name)
+        else:
             setattr(module, name, original)
     _originals.clear()
+    _context.log = _own_logger

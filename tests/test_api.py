@@ -45,6 +45,15 @@ def test_bad_nprocs_type(nprocs):
         start(workers.succeed, nprocs=nprocs)
 
 
+def test_nprocs_takes_any_integer_type():
+    class Count:  # numpy integers behave so: __index__, not an int subclass
+        def __index__(self) -> int:
+            return 2
+
+    ctx = start(workers.succeed, nprocs=Count())
+    assert len(ctx.processes) == 2
+
+
 def test_nprocs_minus_one_means_usable_cpus():
     ctx = start(workers.succeed, nprocs=-1, start_method="fork")
     assert len(ctx.processes) == len(os.sched_getaffinity(0))

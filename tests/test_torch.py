@@ -39,7 +39,29 @@ def test_unpatch_restores_torch(patched):
     fastspawn.unpatch_torch()
     assert torch_mp.spawn is not fastspawn.spawn
     assert torch_mp.spawn.__module__ == "torch.multiprocessing.spawn"
+    # A name torch did not have before the patch is gone again, not None.
+    assert getattr(torch_mp, "ProcessException", "absent") is not None
+    assert fastspawn._context.log.name == "fastspawn._context"
     fastspawn.patch_torch(preload=False)  # the fixture unpatches again
+
+
+def test_patched_warnings_use_torchs_logger(patched, caplog):
+    # Logging set up for torch's spawn (a level, a handler) applies.
+    import logging
+
+    def fail_one():
+        with pytest.raises(torch_mp.ProcessRaisedException):
+            torch_mp.start_processes(workers.raise_on, (0, 30.0), nprocs=2, start_method="spawn")
+        return [r for r in caplog.records if "Terminating process" in r.getMessage()]
+
+    (record,) = fail_one()
+    assert record.name == "torch.multiprocessing.spawn"
+    caplog.clear()
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    try:
+        assert fail_one() == []
+    finally:
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.NOTSET)
 
 
 def test_torch_works_in_zygote_workers(patched):
