@@ -53,6 +53,7 @@ class LaunchRequest:
         preload: Sequence[str] = (),
         stdio: Mapping[int, tuple[int, int]] | None = None,
         process_group: bool = True,
+        keep_stdin: bool = False,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -64,6 +65,9 @@ class LaunchRequest:
         # rank -> (stdout fd, stderr fd) the worker gets as its fd 1 and 2
         # (-1: the caller's).  The caller keeps ownership of these fds.
         self.stdio: Mapping[int, tuple[int, int]] = stdio if stdio is not None else {}
+        # Workers read /dev/null, as multiprocessing's do; with keep_stdin
+        # (binary ranks) the caller's stdin instead.
+        self.keep_stdin = keep_stdin
         # zygote: put the launch's workers in a process group of their own
         # (binary ranks call setsid() instead, which a group leader cannot).
         self.process_group = process_group
@@ -224,6 +228,7 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
                     rank_env=req.envs.get(rank),
                     close_fds=[rx.fileno()],
                     stdio=req.stdio.get(rank),
+                    stdin=None if req.keep_stdin else -1,
                 )
             started.append((pid, _oscall.pidfd_open(pid), True))
     except BaseException:
@@ -338,6 +343,25 @@ def current_dir() -> str:
         ) from None
 
 
+def _caller_stdio(keep_stdin: bool) -> tuple[list[int], list[int]]:
+    """This process's fds 1 and 2 (0, 1 and 2 with ``keep_stdin``) as they
+    are now, for the workers of a zygote launch: the zygote's own are the
+    caller's as they were when it started, before any redirection since
+    (pytest's capture, a dup2 onto a log file).  A closed one is sent as
+    /dev/null.  Returns (the fds to send, those of them to close after)."""
+    fds: list[int] = []
+    opened: list[int] = []
+    for fd in (0, 1, 2) if keep_stdin else (1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            opened.append(null)
+            fds.append(null)
+    return fds, opened
+
+
 def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     cwd = current_dir()
     collector = _pickling.FdCollector()
@@ -366,21 +390,31 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 stdio_slots.append((rank, stream))
                 stdio_fds.append(fd)
     header["stdio_slots"] = stdio_slots
-    # The fds the arguments carry, then the stdio fds, MAX_FDS a message at
-    # most (the kernel passes 253 a message; a model shared for Hogwild
-    # training carries one per tensor).
+    server = get_server()
+    header["process_state"] = server.process_state_now()
+    default_stdio, opened = _caller_stdio(req.keep_stdin)
+    header["default_stdio"] = len(default_stdio)
+    # The fds the arguments carry, then the stdio fds, then the caller's
+    # stdio, MAX_FDS a message at most (the kernel passes 253 a message; a
+    # model shared for Hogwild training carries one per tensor).
     header["user_fds"] = len(collector.fds)
     # The header goes first in the payload memfd: a control message holds
     # about 200 KB, which a large environment or per-rank envs exceed.
-    payload_fd = _payload_memfd(pickle.dumps(header, pickle.HIGHEST_PROTOCOL) + work)
+    try:
+        payload_fd = _payload_memfd(pickle.dumps(header, pickle.HIGHEST_PROTOCOL) + work)
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        raise
     try:
         for attempt in (1, 2):
-            server = get_server()
+            if attempt == 2:
+                server = get_server()
             try:
                 with server.lock:
                     # One message for the launch, whatever nprocs is; fds
                     # beyond what it holds follow in messages of their own.
-                    carried = [*collector.fds, *stdio_fds]
+                    carried = [*collector.fds, *stdio_fds, *default_stdio]
                     first = _channel.MAX_FDS - 2
                     server.send(
                         {"op": "launch"}, [tx.fileno(), payload_fd, *carried[:first]], locked=True
@@ -406,6 +440,8 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 wait_readable([server.pidfd], 10.0)
     finally:
         os.close(payload_fd)
+        for fd in opened:
+            os.close(fd)
         # Our copy must go before we wait: if the zygote dies, the channel's
         # EOF is how we learn it.
         tx.close()

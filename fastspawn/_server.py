@@ -45,7 +45,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 
-from fastspawn import _channel, _hugepages, _oscall, _pickling, _worker
+from fastspawn import _channel, _hugepages, _oscall, _pickling, _procstate, _worker
 
 # Every import here is one the zygote (and each worker, its copy) carries:
 # typing only for annotations.  traceback stays: a failing worker formats its
@@ -152,6 +152,15 @@ def _stdio_by_rank(slots: Sequence[Sequence[int]], fds: Sequence[int]) -> dict[i
     for (rank, stream), fd in zip(slots, fds, strict=True):
         stdio.setdefault(rank, [-1, -1])[stream - 1] = fd
     return stdio
+
+
+def _rank_stdio(own: Sequence[int] | None, out: int, err: int) -> tuple[list[int], list[int]]:
+    """A rank's [stdout fd, stderr fd]: its own where it has one, else the
+    caller's (``out``, ``err``); and the caller's it does not use, for it to
+    close."""
+    pair = list(own) if own is not None else [-1, -1]
+    chosen = [pair[0] if pair[0] >= 0 else out, pair[1] if pair[1] >= 0 else err]
+    return chosen, [fd for fd in (out, err) if fd not in chosen]
 
 
 def _others_stdio(stdio: Mapping[int, Sequence[int]], rank: int) -> list[int]:
@@ -321,13 +330,20 @@ class _Zygote:
         payload = _worker.read_payload(fds[1])
         header = pickle.load(payload)  # plain data: no import, no fd
         nprocs = int(header["nprocs"])
-        # The fds the arguments carry, then the ranks' stdio fds: as many as
-        # the launch message held, the rest in the messages that follow.
+        # The fds the arguments carry, the ranks' stdio fds, then the
+        # caller's own stdio (1 and 2, or 0, 1 and 2): as many as the launch
+        # message held, the rest in the messages that follow.
         slots = header["stdio_slots"]
         carried = fds[2:]
-        carried += self.receive_fds(header["user_fds"] + len(slots) - len(carried))
+        expected = header["user_fds"] + len(slots) + header["default_stdio"]
+        carried += self.receive_fds(expected - len(carried))
         user_fds = carried[: header["user_fds"]]
-        stdio = _stdio_by_rank(slots, carried[header["user_fds"] :])
+        stdio_end = header["user_fds"] + len(slots)
+        stdio = _stdio_by_rank(slots, carried[header["user_fds"] : stdio_end])
+        # The caller's stdio: what a rank without its own gets.
+        callers = carried[stdio_end:]
+        caller_in = callers[0] if len(callers) == 3 else None
+        caller_out, caller_err = callers[-2:]
         launch = _Launch(tx, nprocs)
         fn: Any = None
         args: Any = ()
@@ -360,6 +376,7 @@ class _Zygote:
             self.collapse_now()
         envs: Mapping[int, Mapping[str, str]] = header["envs"]
         daemon = bool(header["daemon"])
+        process_state = header["process_state"]
         close_fds = self.own_fds()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -381,6 +398,7 @@ class _Zygote:
                         # neither order of running leaves a gap.
                         os.setpgid(0, leader)
                     _in_worker()
+                    rank_stdio, unused = _rank_stdio(stdio.get(rank), caller_out, caller_err)
                     _worker.forked_child(
                         rank,
                         self.me,
@@ -390,8 +408,10 @@ class _Zygote:
                         daemon=daemon,
                         rank_env=envs.get(rank),
                         payload_error=payload_error,
-                        close_fds=close_fds + _others_stdio(stdio, rank),
-                        stdio=stdio.get(rank),
+                        close_fds=close_fds + _others_stdio(stdio, rank) + unused,
+                        stdio=rank_stdio,
+                        stdin=-1 if caller_in is None else caller_in,
+                        process_state=process_state,
                     )
                 if group:
                     try:
@@ -413,6 +433,8 @@ class _Zygote:
                 for fd in pair:
                     if fd >= 0:
                         os.close(fd)
+            for fd in callers:
+                os.close(fd)
         del fn, args
         # Arguments in a reference cycle (an object that refers to itself)
         # would wait for a collection, or be frozen by settle(), holding the
@@ -659,6 +681,8 @@ class ServerClient:
 
         from fastspawn._launch import on_launcher_thread
 
+        # What the zygote inherits now; a launch sends what changed since.
+        self.process_state = _procstate.capture()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             argv = [
@@ -699,6 +723,11 @@ class ServerClient:
             target=self._watch, name="fastspawn-zygote-watch", daemon=True
         )
         self.watcher.start()
+
+    def process_state_now(self) -> dict[str, Any]:
+        """The caller's umask, CPU affinity, nice value and resource limits
+        that differ from the zygote's (what it had when the zygote started)."""
+        return _procstate.changed(self.process_state, _procstate.capture())
 
     def _watch(self) -> None:
         """Wait for the zygote to exit; then kill its process group (workers

@@ -189,6 +189,24 @@ def _after_fork(rank: int, daemon: bool) -> None:
     current.name = f"fastspawn-worker-{rank}"
 
 
+def quiet_stdin() -> None:
+    """Make fd 0 and ``sys.stdin`` read /dev/null, as multiprocessing gives
+    its children: a worker that reads the terminal (``input()``, a stray
+    ``breakpoint()``) gets EOFError instead of stopping on SIGTTIN in its
+    background process group and hanging the job."""
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.dup2(fd, 0)
+    finally:
+        os.close(fd)
+    if sys.stdin is not None:
+        try:
+            sys.stdin.close()
+        except Exception:
+            pass
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the worker
+
+
 def _redirect_stdio(stdio: Sequence[int]) -> None:
     """Point fds 1 and 2 at the given fds (-1: leave as is), flushing first."""
     for target, fd in zip((1, 2), stdio, strict=True):
@@ -232,12 +250,18 @@ def forked_child(
     payload_error: str | None = None,
     close_fds: Sequence[int] = (),
     stdio: Sequence[int] | None = None,
+    stdin: int | None = -1,
+    process_state: dict[str, Any] | None = None,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
     ``parent`` is the pid that forked us, recorded before the fork, for the
     PR_SET_PDEATHSIG race check.  ``rank_env`` is applied to the environment
-    before ``fn`` runs.
+    before ``fn`` runs.  ``stdio``: the fds to make fds 1 and 2 (-1: keep).
+    ``stdin``: -1 for /dev/null (function workers), None to keep fd 0, or
+    an fd to make fd 0 (binary ranks read the launcher's stdin).
+    ``process_state``: the caller's settings that differ from this
+    process's (see _procstate).
     """
     code, signum = 1, 0
     try:
@@ -254,6 +278,15 @@ def forked_child(
                 pass
         if stdio is not None:
             _redirect_stdio(stdio)
+        if stdin == -1:
+            quiet_stdin()
+        elif stdin is not None:
+            os.dup2(stdin, 0)
+            os.close(stdin)
+        if process_state:
+            from fastspawn import _procstate
+
+            _procstate.apply(process_state)
         if rank_env:
             os.environ.update(rank_env)
         _after_fork(rank, daemon)
@@ -332,6 +365,7 @@ def spawn_main() -> NoReturn:
     _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[6:]]
     code, signum = 1, 0
     try:
+        quiet_stdin()
         # Every rank shares one payload file description, hence one offset:
         # read it with pread, never with read.
         with read_payload(payload_fd) as payload:

@@ -562,6 +562,9 @@ class PContext:
             envs=self.envs,
             stdio=stdio,
             process_group=not isinstance(self.entrypoint, str),
+            # A binary reads the launcher's stdin, as under torch's
+            # subprocess handler; function ranks read /dev/null.
+            keep_stdin=isinstance(self.entrypoint, str),
         )
 
     # -------------------------------------------------------------- wait

@@ -446,3 +446,44 @@ def test_worker_that_closed_its_report_channel_exits_by_its_own_code(start_metho
     assert ctx.return_values == {}
     if start_method == "spawn":  # else sys.stderr is the zygote's, or went with the fds
         assert "cannot report to its launcher" in capfd.readouterr().err
+
+
+def test_workers_take_the_callers_settings_at_launch(start_method):
+    # The zygote started before the caller changed its umask, affinity and
+    # limits (an earlier launch); a spawn child would see the new ones, and
+    # so must a zygote worker (a 0644 file where the caller asked for 0600
+    # would be a leak).
+    fastspawn.start_processes(workers.succeed, nprocs=1, start_method=start_method)
+    import resource
+
+    mask = os.umask(0o077)
+    cpus = os.sched_getaffinity(0)
+    core = resource.getrlimit(resource.RLIMIT_CORE)
+    try:
+        os.sched_setaffinity(0, {min(cpus)})
+        resource.setrlimit(resource.RLIMIT_CORE, (0, core[1]))
+        ctx = fastspawn.start_processes(
+            workers.process_settings, nprocs=2, start_method=start_method
+        )
+    finally:
+        os.umask(mask)
+        os.sched_setaffinity(0, cpus)
+        resource.setrlimit(resource.RLIMIT_CORE, core)
+    for rank in (0, 1):
+        assert ctx.return_values[rank] == (0o077, [min(cpus)], (0, core[1]), os.devnull)
+
+
+def test_a_worker_reading_stdin_gets_eof(start_method):
+    with pytest.raises(fastspawn.ProcessRaisedException, match="EOFError"):
+        fastspawn.start_processes(workers.read_stdin, nprocs=1, start_method=start_method)
+
+
+def test_workers_write_to_the_callers_current_stdout(start_method, capfd):
+    # capfd points fds 1 and 2 elsewhere for this test only, long after the
+    # zygote started: its workers must follow, as spawned ones do.
+    fastspawn.start_processes(
+        workers.print_marker, ("marker-7",), nprocs=2, start_method=start_method
+    )
+    captured = capfd.readouterr()
+    assert sorted(captured.out.splitlines()) == ["marker-7 0", "marker-7 1"]
+    assert sorted(captured.err.splitlines()) == ["marker-7 err 0", "marker-7 err 1"]

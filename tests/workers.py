@@ -368,3 +368,26 @@ def close_inherited_fds_and_return(rank: int) -> int:
     b.setblocking(False)
     globals()["_kept"] = (a, b)
     return rank
+
+
+def process_settings(rank: int) -> tuple[int, list[int], tuple[int, int], str]:
+    """(umask, CPU affinity, RLIMIT_CORE, what fd 0 is) of this worker."""
+    import resource
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return (
+        mask,
+        sorted(os.sched_getaffinity(0)),
+        resource.getrlimit(resource.RLIMIT_CORE),
+        os.readlink("/proc/self/fd/0"),
+    )
+
+
+def read_stdin(rank: int) -> str:
+    return input()
+
+
+def print_marker(rank: int, marker: str) -> None:
+    print(f"{marker} {rank}", flush=True)
+    print(f"{marker} err {rank}", file=sys.stderr, flush=True)

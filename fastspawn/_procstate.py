@@ -1,0 +1,113 @@
+"""The per-process settings a child inherits at fork: umask, CPU affinity,
+nice value, resource limits.
+
+A spawn child gets the caller's as they are when it starts.  A zygote worker
+forks from the zygote, which has the caller's as they were when the zygote
+started.  So the caller records them when it starts its zygote
+(``capture``), sends with each launch what changed since (``changed``), and
+each worker applies that (``apply``) before running ``fn``: a caller that
+tightens its umask to 077 after the zygote started gets 0600 files from its
+workers, as it would from spawn.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Imported in the zygote: typing only for the type checker.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# The limits a launcher may change while it runs (users raise RLIMIT_NOFILE
+# for many workers, RLIMIT_MEMLOCK for RDMA, RLIMIT_CORE for crash dumps).
+_LIMITS = (
+    "RLIMIT_AS",
+    "RLIMIT_CORE",
+    "RLIMIT_CPU",
+    "RLIMIT_DATA",
+    "RLIMIT_FSIZE",
+    "RLIMIT_MEMLOCK",
+    "RLIMIT_NOFILE",
+    "RLIMIT_NPROC",
+    "RLIMIT_STACK",
+)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would leave
+    another thread a moment with the wrong one)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)  # kernels before 4.7: briefly the strictest one
+    os.umask(mask)
+    return mask
+
+
+def capture() -> dict[str, Any]:
+    """The settings of this process (CPU affinity: of the calling thread)."""
+    import resource
+
+    limits = {}
+    for name in _LIMITS:
+        number = getattr(resource, name, None)
+        if number is not None:
+            limits[number] = resource.getrlimit(number)
+    return {
+        "umask": _umask(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "rlimits": limits,
+    }
+
+
+def changed(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """What differs in ``now`` from ``before``: {} when nothing does."""
+    diff: dict[str, Any] = {}
+    for key, value in now.items():
+        if key == "rlimits":
+            limits = {n: v for n, v in value.items() if before["rlimits"].get(n) != v}
+            if limits:
+                diff[key] = limits
+        elif before.get(key) != value:
+            diff[key] = value
+    return diff
+
+
+def apply(diff: dict[str, Any]) -> None:
+    """Take on ``diff`` (from ``changed``) in this worker.  What the kernel
+    refuses (a CPU outside this process's cpuset, a lower nice value or a
+    higher hard limit without the privilege) is reported on stderr and left
+    as inherited: the worker still runs."""
+    if "umask" in diff:
+        os.umask(diff["umask"])
+    problems = []
+    if "affinity" in diff:
+        try:
+            os.sched_setaffinity(0, diff["affinity"])
+        except OSError as exc:
+            problems.append(f"CPU affinity {diff['affinity']}: {exc}")
+    if "nice" in diff:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, diff["nice"])
+        except OSError as exc:
+            problems.append(f"nice {diff['nice']}: {exc}")
+    if "rlimits" in diff:
+        import resource
+
+        for number, (soft, hard) in diff["rlimits"].items():
+            try:
+                resource.setrlimit(number, (soft, hard))
+            except (OSError, ValueError) as exc:
+                problems.append(f"resource limit {number} = {(soft, hard)}: {exc}")
+    if problems:
+        print(
+            "fastspawn: this worker keeps the zygote's setting for: " + "; ".join(problems),
+            file=sys.stderr,
+        )
