@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
@@ -90,7 +91,10 @@ class ProcessContext:
             self._waiter.add(proc.sentinel, proc.rank)
             self._watched.add(proc.rank)
             self._pending[proc.rank] = proc
-            proc.on_close = self._forget
+            # Weakly: a context dropped once its workers were reaped through
+            # their Process objects is freed (and its fds closed) at once,
+            # not when a cyclic collection comes round.
+            proc.on_close = weakref.WeakMethod(self._forget)
         self._open_pidfds = len(processes)  # closed by _forget, one by one
         self._join_lock = threading.Lock()
         self._finish_error: Exception | None = None  # see _finish

@@ -148,7 +148,7 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def _reset_after_fork() -> None:
-    global _thread, _server, _jobs_ready, _thread_lock
+    global _thread, _server, _jobs_ready, _thread_lock, _server_lock
     _thread = None  # the launcher thread does not exist in a forked child
     if _server is not None:
         # Nor is the zygote ours.  Its control socket must not stay open
@@ -160,6 +160,9 @@ def _reset_after_fork() -> None:
     _jobs.clear()
     _jobs_ready = threading.Condition()
     _thread_lock = threading.Lock()
+    # Held across a zygote's whole start by get_server(): a fork while
+    # another thread starts one must not leave the child waiting for ever.
+    _server_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -63,8 +63,9 @@ class Process:
         self._exitcode: int | None = None
         self._exited_at: float | None = None  # first seen exited, no status yet
         self.name = f"fastspawn-worker-{rank}"
-        # Called just before the pidfd is closed (the context unregisters it).
-        self.on_close: Callable[[Process], None] | None = None
+        # A weak reference to what is called just before the pidfd is closed
+        # (the context unregisters it).
+        self.on_close: Callable[[], Callable[[Process], None] | None] | None = None
 
     def __repr__(self) -> str:
         if self._exitcode is None:
@@ -175,8 +176,9 @@ class Process:
             return
         if self._is_child and self._exitcode is None:
             raise ValueError(f"cannot close process {self.pid}: it has not been reaped")
-        if self.on_close is not None:
-            self.on_close(self)
+        forget = self.on_close() if self.on_close is not None else None
+        if forget is not None:
+            forget(self)
         try:
             os.close(self._pidfd)
         except OSError as exc:  # pragma: no cover - EBADF would be our bug

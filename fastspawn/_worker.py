@@ -360,6 +360,7 @@ def spawn_main() -> NoReturn:
     rank = int(sys.argv[1])
     payload_fd = int(sys.argv[2])
     tx = socket.socket(fileno=int(sys.argv[3]))
+    tx.set_inheritable(False)  # inherited for exec only: not by our children
     daemon = sys.argv[4] == "1"
     tracker_fd = int(sys.argv[5])
     _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[6:]]

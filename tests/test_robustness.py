@@ -487,3 +487,41 @@ def test_workers_write_to_the_callers_current_stdout(start_method, capfd):
     captured = capfd.readouterr()
     assert sorted(captured.out.splitlines()) == ["marker-7 0", "marker-7 1"]
     assert sorted(captured.err.splitlines()) == ["marker-7 err 0", "marker-7 err 1"]
+
+
+def test_child_forked_while_a_zygote_starts_can_start_its_own():
+    # Another thread holds the lock across a zygote's start; a fork at that
+    # moment must give the child a free lock, not one held for ever.
+    with _launch._server_lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(0 if _launch._server_lock.acquire(timeout=5) else 1)
+            finally:
+                os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_workers_children_inherit_no_report_channel(start_method):
+    # A grandchild holding the channel could write reports in a rank's name.
+    ctx = fastspawn.start_processes(
+        workers.inheritable_sockets, nprocs=1, start_method=start_method
+    )
+    assert ctx.return_values == {0: []}
+
+
+def test_context_dropped_after_its_workers_were_joined_frees_its_fds():
+    import gc
+
+    gc.disable()  # what is freed must be freed without a cyclic collection
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            ctx = fastspawn.start_processes(workers.succeed, nprocs=2, join=False)
+            for proc in ctx.processes:
+                proc.join(60)
+            del ctx, proc
+        assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        gc.enable()

@@ -391,3 +391,16 @@ def read_stdin(rank: int) -> str:
 def print_marker(rank: int, marker: str) -> None:
     print(f"{marker} {rank}", flush=True)
     print(f"{marker} err {rank}", file=sys.stderr, flush=True)
+
+
+def inheritable_sockets(rank: int) -> list[int]:
+    """The socket fds this worker's children would inherit."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") and os.get_inheritable(fd):
+                found.append(fd)
+        except OSError:
+            pass
+    return found
