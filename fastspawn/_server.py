@@ -200,8 +200,12 @@ class _Zygote:
             raise SystemExit(0)  # the caller died before we could watch it
         _oscall.set_child_subreaper()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.signal(signal.SIGCHLD, _on_sigchld)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        # Handlers that user code run here (the main module's import,
+        # preloads, unpickling) set for the signals the zygote lives by:
+        # the workers get them, as a spawn child would (see reclaim_signals).
+        self.user_handlers: dict[int, Any] = {}
         self.epoll = select.epoll()
         for fd in (control.fileno(), self.parent_fd, self.wake_r):
             self.epoll.register(fd, select.EPOLLIN)
@@ -213,6 +217,22 @@ class _Zygote:
         self.closed_in_batch: set[int] = set()
         self.settled_modules = 0  # len(sys.modules) at the last settle()
         self.to_collapse: list[int] = []  # stretches for collapse_when_idle
+
+    def reclaim_signals(self) -> None:
+        """Put the zygote's own handlers back where user code replaced them,
+        keeping the user's for the workers.
+
+        A main module that sets a SIGTERM handler at import (for a graceful
+        shutdown) set it in the zygote, where it replaced the zygote's, and
+        its workers were then given SIG_DFL; one that sets SIGCHLD to
+        SIG_IGN made the kernel reap the workers before the zygote could
+        report their exit, and joins hung.  Called after each stretch of
+        user code."""
+        for sig, own in _OWN_HANDLERS.items():
+            current = signal.getsignal(sig)
+            if current is not own:
+                self.user_handlers[sig] = current
+                signal.signal(sig, own)
 
     def settle(self) -> None:
         """Prepare the memory that workers share, once imports changed it.
@@ -314,6 +334,7 @@ class _Zygote:
         message = pickle.loads(data)
         if message["op"] == "preload":
             _import_all(message["modules"])
+            self.reclaim_signals()
             self.settle()
         else:
             self.launch(fds)
@@ -367,6 +388,7 @@ class _Zygote:
         except BaseException:
             payload_error = traceback.format_exc()
         finally:
+            self.reclaim_signals()  # imports and unpickling ran user code
             for fd in user_fds:
                 os.close(fd)  # unpickled objects hold their own dups
             _pickling.inherited_fds[:] = []
@@ -397,7 +419,7 @@ class _Zygote:
                         # it.  Set in both processes, as shells do, so that
                         # neither order of running leaves a gap.
                         os.setpgid(0, leader)
-                    _in_worker()
+                    _in_worker(self.user_handlers)
                     rank_stdio, unused = _rank_stdio(stdio.get(rank), caller_out, caller_err)
                     _worker.forked_child(
                         rank,
@@ -596,12 +618,20 @@ class _Zygote:
 _ZYGOTE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
 
 
-def _in_worker() -> None:
-    """Undo, in a freshly forked worker, what only the zygote wants."""
+def _on_sigchld(signum: int, frame: Any) -> None:
+    """Nothing: the wakeup fd is what tells the zygote's loop."""
+
+
+def _in_worker(user_handlers: Mapping[int, Any]) -> None:
+    """Undo, in a freshly forked worker, what only the zygote wants: a
+    worker has Python's defaults, or what user code set (``user_handlers``)."""
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, default in (
+        (signal.SIGCHLD, signal.SIG_DFL),
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGINT, signal.default_int_handler),
+    ):
+        signal.signal(sig, user_handlers.get(sig, default))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
     _worker.reseed()
 
@@ -644,10 +674,18 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(0)
 
 
+# The zygote's own handlers (SIGINT: Ctrl-C is for the caller).
+_OWN_HANDLERS: dict[int, Any] = {
+    signal.SIGCHLD: _on_sigchld,
+    signal.SIGTERM: _exit_on_sigterm,
+    signal.SIGINT: signal.SIG_IGN,
+}
+
+
 def main() -> None:
     """Entry of the zygote process: ``python -c ... <control fd> <caller pid>``."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the caller
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     control = socket.socket(fileno=int(sys.argv[1]))
     parent = int(sys.argv[2])
     zygote = None
@@ -660,6 +698,7 @@ def main() -> None:
         hello = pickle.loads(data)
         _worker.prepare(hello["preparation"])
         _import_all(hello["preload"])
+        zygote.reclaim_signals()
         zygote.settle()
         zygote.serve()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -525,3 +526,40 @@ def test_context_dropped_after_its_workers_were_joined_frees_its_fds():
         assert len(os.listdir("/proc/self/fd")) <= before
     finally:
         gc.enable()
+
+
+def test_signal_handlers_the_main_module_sets_reach_workers_not_the_zygote(tmp_path):
+    # At import (in the zygote too, as __mp_main__) the script sets a SIGTERM
+    # handler and ignores SIGCHLD. Workers must get the handler, as spawned
+    # ones do, and the zygote must keep reaping and reporting its workers.
+    script = tmp_path / "handlers.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import signal, sys, time
+            import fastspawn
+
+            def on_term(signum, frame):
+                pass
+
+            signal.signal(signal.SIGTERM, on_term)
+            if __name__ != "__main__":
+                signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+
+            def report(rank):
+                time.sleep(0.3)
+                return signal.getsignal(signal.SIGTERM).__name__
+
+            if __name__ == "__main__":
+                ctx = fastspawn.start_processes(report, nprocs=2, start_method="zygote")
+                print(sorted(ctx.return_values.values()))
+                ctx = fastspawn.start_processes(report, nprocs=2, start_method="zygote")
+                print(sorted(ctx.return_values.values()))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["['on_term', 'on_term']"] * 2
