@@ -434,6 +434,7 @@ class _Zygote:
                         stdio=rank_stdio,
                         stdin=-1 if caller_in is None else caller_in,
                         process_state=process_state,
+                        from_zygote=True,
                     )
                 if group:
                     try:

@@ -145,11 +145,33 @@ def flush_std_streams() -> None:
             pass
 
 
-def _finish(code: int, signum: int, run_atexit: bool) -> NoReturn:
+def own_exit_handlers() -> None:
+    """In a worker forked from the zygote: drop the atexit handlers and
+    exit-time finalizers the zygote registered, so that those the worker
+    registers itself run at its exit (as in a spawned worker, whose own
+    imports and code registered them) and the zygote's do not run once per
+    worker (a temporary directory the zygote made would be removed by the
+    first worker to exit)."""
+    atexit._clear()
+    weakref = sys.modules.get("weakref")
+    finalize = getattr(weakref, "finalize", None)
+    registry = getattr(finalize, "_registry", None)
+    if isinstance(registry, dict):
+        for inherited in list(registry):
+            inherited.atexit = False
+        finalize._registered_with_atexit = False  # type: ignore[union-attr]
+
+
+def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
     """Run what multiprocessing runs at a worker's end, then exit with
     ``code`` (0..255), or die by ``signum`` when it is not 0.  Nothing
     raised on the way (a SIGINT, a failing handler) stops the exit: a worker
-    must never return into the code that forked it."""
+    must never return into the code that forked it.
+
+    ``run_atexit``: True for a spawned worker (all of its atexit handlers),
+    None for a zygote worker (those it registered, see own_exit_handlers,
+    and logging's flush), False for a worker forked from the caller (none,
+    as multiprocessing's fork workers)."""
     try:
         try:
             from multiprocessing import util
@@ -159,13 +181,18 @@ def _finish(code: int, signum: int, run_atexit: bool) -> NoReturn:
             if run_atexit:
                 atexit._run_exitfuncs()
             else:
-                # Launches this worker made and left unjoined: waited for (or,
-                # if daemonic, stopped) as at any interpreter exit, once its
-                # threads (which may be joining them) are done.  That is
-                # fastspawn's own atexit handler, which os._exit would skip.
+                if run_atexit is None:
+                    atexit._run_exitfuncs()
+                # Launches this worker made and left unjoined: waited for
+                # (or, if daemonic, stopped) as at any interpreter exit, once
+                # its threads (which may be joining them) are done.  That is
+                # fastspawn's own atexit handler, registered before the fork.
                 context = sys.modules.get("fastspawn._context")
                 if context is not None:
                     context._at_exit()
+                logging = sys.modules.get("logging")
+                if run_atexit is None and logging is not None:
+                    logging.shutdown()  # its atexit hook was the zygote's
         except BaseException:
             print_exc()
         flush_std_streams()
@@ -252,6 +279,7 @@ def forked_child(
     stdio: Sequence[int] | None = None,
     stdin: int | None = -1,
     process_state: dict[str, Any] | None = None,
+    from_zygote: bool = False,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
@@ -261,7 +289,8 @@ def forked_child(
     ``stdin``: -1 for /dev/null (function workers), None to keep fd 0, or
     an fd to make fd 0 (binary ranks read the launcher's stdin).
     ``process_state``: the caller's settings that differ from this
-    process's (see _procstate).
+    process's (see _procstate).  ``from_zygote``: forked from the zygote,
+    not from the caller: the worker's own atexit handlers run at its exit.
     """
     code, signum = 1, 0
     try:
@@ -287,6 +316,8 @@ def forked_child(
             from fastspawn import _procstate
 
             _procstate.apply(process_state)
+        if from_zygote:
+            own_exit_handlers()
         if rank_env:
             os.environ.update(rank_env)
         _after_fork(rank, daemon)
@@ -300,7 +331,7 @@ def forked_child(
     except BaseException:
         print_exc()
     finally:
-        _finish(code, signum, run_atexit=False)
+        _finish(code, signum, run_atexit=None if from_zygote else False)
 
 
 def preparation_data(name: str) -> dict[str, Any]:

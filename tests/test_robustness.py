@@ -563,3 +563,36 @@ def test_signal_handlers_the_main_module_sets_reach_workers_not_the_zygote(tmp_p
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["['on_term', 'on_term']"] * 2
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn", "forkserver"])
+def test_atexit_handlers_a_worker_registers_run_at_its_exit(tmp_path, start_method):
+    # As in a spawned interpreter: a metrics flusher or a temporary directory
+    # left to exit-time cleanup must not be skipped by a zygote worker.
+    ctx = fastspawn.start_processes(
+        workers.register_atexit_and_tempdir,
+        (str(tmp_path),),
+        nprocs=2,
+        start_method=start_method,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit0", "atexit1"]
+    assert all(not os.path.exists(d) for d in ctx.return_values.values())
+
+
+def test_the_zygotes_atexit_handlers_do_not_run_in_its_workers(tmp_path, monkeypatch):
+    # A module the zygote imported registered a handler there; a worker must
+    # not run it (it would, say, remove a directory the zygote made, once
+    # per worker).
+    marker = tmp_path / "ran-in-a-worker"
+    (tmp_path / "zygote_atexit_probe.py").write_text(
+        textwrap.dedent(
+            f"""
+            import atexit, os
+            _me = os.getpid()
+            atexit.register(lambda: os.getpid() != _me and open({str(marker)!r}, "w").close())
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fastspawn.start_processes(workers.succeed, nprocs=2, preload=["zygote_atexit_probe"])
+    assert not marker.exists()

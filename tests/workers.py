@@ -404,3 +404,14 @@ def inheritable_sockets(rank: int) -> list[int]:
         except OSError:
             pass
     return found
+
+
+def register_atexit_and_tempdir(rank: int, marker_dir: str) -> str:
+    """Register an atexit handler that leaves a marker file, and make a
+    TemporaryDirectory left to its exit-time cleanup."""
+    import atexit
+    import tempfile
+
+    atexit.register(lambda: open(os.path.join(marker_dir, f"atexit{rank}"), "w").close())
+    globals()["_tmp"] = tempfile.TemporaryDirectory(dir=marker_dir)
+    return globals()["_tmp"].name
