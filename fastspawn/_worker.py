@@ -265,6 +265,23 @@ def reseed() -> None:
             pass
 
 
+def _match_torch_threads() -> None:
+    """torch sizes its CPU thread pool from OMP_NUM_THREADS when it is
+    imported; in a forked worker that was in the zygote (or the caller), with
+    that process's environment, so a rank given OMP_NUM_THREADS=1 would still
+    run one thread per CPU (as torchrun's ranks, which set it, must not).
+    Apply the worker's own value, as a spawned interpreter would have."""
+    torch = sys.modules.get("torch")
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is None or not wanted.strip().isdigit() or int(wanted) < 1:
+        return
+    try:
+        if torch.get_num_threads() != int(wanted):
+            torch.set_num_threads(int(wanted))
+    except Exception:
+        pass  # a torch without these: nothing to match
+
+
 def forked_child(
     rank: int,
     parent: int,
@@ -320,6 +337,7 @@ def forked_child(
             own_exit_handlers()
         if rank_env:
             os.environ.update(rank_env)
+        _match_torch_threads()
         _after_fork(rank, daemon)
         if payload_error is not None:
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))

@@ -67,3 +67,11 @@ def test_patched_warnings_use_torchs_logger(patched, caplog):
 def test_torch_works_in_zygote_workers(patched):
     ctx = torch_mp.spawn(workers.torch_sum, nprocs=2, preload=["torch"])
     assert ctx.return_values == {0: 6.0, 1: 7.0}
+
+
+def test_omp_num_threads_of_a_rank_sizes_torchs_pool():
+    # torch read OMP_NUM_THREADS when the zygote imported it; a rank given
+    # its own value must run with it, as a spawned interpreter would.
+    envs = {0: {"OMP_NUM_THREADS": "1"}, 1: {"OMP_NUM_THREADS": "2"}}
+    ctx = fastspawn.start_processes(workers.torch_threads, nprocs=2, envs=envs, preload=["torch"])
+    assert ctx.return_values == {0: ("1", 1), 1: ("2", 2)}

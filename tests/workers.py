@@ -415,3 +415,9 @@ def register_atexit_and_tempdir(rank: int, marker_dir: str) -> str:
     atexit.register(lambda: open(os.path.join(marker_dir, f"atexit{rank}"), "w").close())
     globals()["_tmp"] = tempfile.TemporaryDirectory(dir=marker_dir)
     return globals()["_tmp"].name
+
+
+def torch_threads(rank: int) -> tuple[str, int]:
+    import torch
+
+    return os.environ.get("OMP_NUM_THREADS", ""), torch.get_num_threads()
