@@ -4,13 +4,14 @@ fastspawn run``) starts N ranks of a program per node, torchrun-style."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 
 from fastspawn import elastic
@@ -25,10 +26,15 @@ this command, however it is stopped.
 
 Exit status: 0 when every rank succeeded; else the first failed rank's exit
 code (128+N for a rank killed by signal N), with a one-line summary on stderr.
-Ctrl-C or SIGTERM stops every rank and exits 128+signal.
 
-Under Slurm (srun), --nnodes, --node-rank and --master-addr default to
-SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST.
+Ctrl-C or SIGTERM stops every rank (SIGKILL after 10 s) and exits
+128+signal; a second Ctrl-C or SIGTERM kills every rank at once.
+
+Inside a Slurm job step (under srun: SLURM_STEP_ID is set), --nnodes,
+--node-rank and --master-addr default to SLURM_NNODES, SLURM_NODEID and the
+first host of the step's node list (SLURM_STEP_NODELIST, else SLURM_NODELIST,
+else SLURM_JOB_NODELIST).  A plain salloc or sbatch shell is not a step: there
+give the flags, or start fastspawn run with srun.
 """
 
 RUN_EPILOG = """\
@@ -41,15 +47,35 @@ examples:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``node[03-05,07],gpu1`` -> ``node03``."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot read SLURM_JOB_NODELIST {nodelist!r}")
-    prefix, _, ranges = match.groups()
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    """The first host of a Slurm node list: ``node[03-05,07],gpu1`` -> ``node03``,
+    ``rack1-n[7-8]-ib`` -> ``rack1-n7-ib``, ``r[1-2]n[5-6]`` -> ``r1n5``.
+
+    Raises:
+        ValueError: the list is empty or its brackets do not pair up.
+    """
+    text = nodelist.strip()
+    host = []
+    pos = 0
+    while pos < len(text):
+        char = text[pos]
+        if char == ",":  # a comma outside brackets ends the first host
+            break
+        if char == "]":
+            raise ValueError(f"cannot read the Slurm node list {nodelist!r}: unpaired ']'")
+        if char == "[":
+            close = text.find("]", pos)
+            if close < 0:
+                raise ValueError(f"cannot read the Slurm node list {nodelist!r}: unpaired '['")
+            # "03-05,07": the first item, and of a range its first number
+            # (kept as written: Slurm's zero padding is part of the name).
+            host.append(text[pos + 1 : close].split(",")[0].split("-")[0].strip())
+            pos = close + 1
+            continue
+        host.append(char)
+        pos += 1
+    if not "".join(host):
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}: no host")
+    return "".join(host)
 
 
 def free_port() -> int:
@@ -69,6 +95,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
     return value
 
 
@@ -92,22 +125,22 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
         "--nnodes",
         type=_positive,
         default=None,
-        help="number of nodes (default: SLURM_NNODES, else 1)",
+        help="number of nodes (default: SLURM_NNODES in a Slurm step, else 1)",
     )
     parser.add_argument(
         "--node-rank",
         type=_non_negative,
         default=None,
-        help="this node's index (default: SLURM_NODEID, else 0)",
+        help="this node's index (default: SLURM_NODEID in a Slurm step, else 0)",
     )
     parser.add_argument(
         "--master-addr",
         default=None,
-        help="address of node 0 (default: Slurm's first host, else 127.0.0.1)",
+        help="address of node 0 (default: the first host of the Slurm step, else 127.0.0.1)",
     )
     parser.add_argument(
         "--master-port",
-        type=int,
+        type=_port,
         default=None,
         help="port on node 0 (default: a free port on one node, 29500 on several)",
     )
@@ -172,13 +205,29 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
     nnodes = args.nnodes
     node_rank = args.node_rank
     addr = args.master_addr
+    # Only a job step (srun) describes this node's place: in a plain salloc or
+    # sbatch shell SLURM_NNODES counts the whole allocation and SLURM_NODEID
+    # is that of the batch host, whichever nodes the user then starts us on.
+    # SLURM_STEPID is the older spelling, still set beside the newer one.
+    slurm = "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
     if nnodes is None:
-        nnodes = int(environ.get("SLURM_NNODES", "1"))
+        nnodes = int(environ.get("SLURM_NNODES", "1")) if slurm else 1
     if node_rank is None:
-        node_rank = int(environ.get("SLURM_NODEID", "0"))
+        node_rank = int(environ.get("SLURM_NODEID", "0")) if slurm else 0
     if addr is None:
-        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-        addr = first_slurm_host(nodelist) if nodelist and nnodes > 1 else "127.0.0.1"
+        addr = "127.0.0.1"
+        # SLURM_NNODES and SLURM_NODEID are the step's, so node 0 is the
+        # first host of the step, which need not be the job's first host.
+        nodelist = (
+            environ.get("SLURM_STEP_NODELIST")
+            or environ.get("SLURM_NODELIST")
+            or environ.get("SLURM_JOB_NODELIST")
+        )
+        if slurm and nodelist and nnodes > 1:
+            try:
+                addr = first_slurm_host(nodelist)
+            except ValueError as exc:
+                raise SystemExit(f"fastspawn run: {exc}; give --master-addr") from None
     if node_rank >= nnodes:
         raise SystemExit(f"fastspawn run: --node-rank {node_rank} is not below --nnodes {nnodes}")
     port = args.master_port
@@ -210,16 +259,23 @@ def rank_envs(
 
 
 def describe(failure: elastic.ProcessFailure, global_rank: int) -> str:
+    """The one-line summary of a failed rank."""
     if failure.exitcode < 0:
-        cause = f"killed by signal {failure.signal_name()}"
+        cause = f"was killed by signal {failure.signal_name()}"
     else:
-        cause = f"exit code {failure.exitcode}"
+        cause = f"failed with exit code {failure.exitcode}"
     detail = ""
     if failure.error_file != "<N/A>":
-        detail = f": {failure.message}"
+        # The message may be a whole traceback: keep the summary one line,
+        # and say where the rest is.
+        lines = [line.strip() for line in failure.message.splitlines() if line.strip()]
+        if lines:
+            detail = f": {lines[0]}"
+            if len(lines) > 1:
+                detail += f" (+{len(lines) - 1} more lines in {failure.error_file})"
     return (
         f"fastspawn run: rank {global_rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-        f"failed with {cause}{detail}"
+        f"{cause}{detail}"
     )
 
 
@@ -238,11 +294,12 @@ def _missing_ancestor(path: str) -> str | None:
     return top
 
 
-def _remove_created(attempt_dir: str, log_dir: str, created: str | None) -> None:
-    """After a start failed: remove the attempt directory, then each
-    directory this run created above it up to ``created`` (rmdir: only while
-    empty, so nothing of anyone else's goes)."""
-    shutil.rmtree(attempt_dir, ignore_errors=True)
+def _remove_created(attempt_dir: str | None, log_dir: str, created: str | None) -> None:
+    """After a start failed: remove the attempt directory (if any), then each
+    directory this run created from ``log_dir`` up to ``created`` (rmdir: only
+    while empty, so nothing of anyone else's goes)."""
+    if attempt_dir is not None:
+        shutil.rmtree(attempt_dir, ignore_errors=True)
     if created is None:
         return
     path = os.path.abspath(log_dir)
@@ -254,6 +311,90 @@ def _remove_created(attempt_dir: str, log_dir: str, created: str | None) -> None
         if path == created:
             return
         path = os.path.dirname(path)
+
+
+# The signals fastspawn.elastic turns into SignalException.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class _StopSignals:
+    """The launcher's handlers for the stop signals while one attempt's ranks
+    run: the first raises SignalException, as elastic's own handlers do; a
+    later one, while ``stop`` closes the ranks, SIGKILLs every rank at once.
+
+    elastic's handlers raise at every signal, and one raised in the middle of
+    close() abandons it (and leaves the ranks to end by themselves).  The
+    handler notes the first signal before it raises, so a second one that
+    comes at once (a tty's Ctrl-C beside a wrapper's SIGTERM) already finds
+    it: there is no moment in which it would raise again.
+    """
+
+    def __init__(self, ctx: elastic.PContext) -> None:
+        self.ctx = ctx
+        # Each rank is a binary leading its own session: killpg reaches it
+        # and its children.  A group id is not handed out again while any
+        # process of the group lives, so killpg cannot reach a stranger's
+        # group unless every process of ours is gone and a new process took
+        # the number and made itself a group leader, in the seconds close()
+        # lasts.
+        self.pids = list(ctx.pids().values())
+        self.first: signal.Signals | None = None
+        self.closed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # elastic installed none either
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, functools.partial(self._handle, signal.getsignal(sig)))
+
+    def _handle(self, previous: object, signum: int, frame: object) -> None:
+        if self.first is None:
+            self.first = signal.Signals(signum)
+            if callable(previous):
+                # elastic's handler: it raises, and marks the ranks to be
+                # closed at exit should the exception escape us.
+                previous(signum, frame)
+            raise elastic.SignalException(
+                f"Process {os.getpid()} got signal: {self.first}", sigval=self.first
+            )
+        if self.closed:
+            return  # the launcher is on its way out with 128+the first signal
+        try:
+            # No print() in a handler: it may interrupt a print of the main code.
+            os.write(2, b"fastspawn run: got another signal, killing every rank\n")
+        except OSError:
+            pass
+        for pid in self.pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass  # the rank and its children are gone already
+
+    def stop(self, sigval: signal.Signals) -> None:
+        """Stop every rank after the launcher got ``sigval``: that signal to
+        each rank's process group, SIGKILL after 10 s, or at once on a
+        second signal.  The handlers stay, doing nothing, after the close."""
+        if self.first is None:  # raised by elastic's handler, before install()
+            self.first = sigval
+            self.install()
+        print(f"fastspawn run: got {sigval.name}, stopping every rank", file=sys.stderr)
+        try:
+            self.ctx.close(sigval, timeout=10)
+        finally:
+            self.closed = True
+
+
+def _log_dir_error(log_dir: str, exc: OSError) -> int:
+    """Say why ``log_dir`` cannot hold the logs, as the non-empty case does."""
+    why = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError):  # makedirs(exist_ok=True) on a file
+        why = "it is not a directory"
+    print(
+        f"fastspawn run: cannot use --log-dir {log_dir}: {why}; give a new or empty "
+        "directory that you can write to",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,26 +415,49 @@ def run(args: argparse.Namespace) -> int:
     wants_files = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
     created = None  # the directory this run made to hold log_dir (itself included)
     if log_dir is None and wants_files:
-        log_dir = tempfile.mkdtemp(prefix="fastspawn-run-")
+        try:
+            log_dir = tempfile.mkdtemp(prefix="fastspawn-run-")
+        except OSError as exc:
+            print(
+                f"fastspawn run: cannot make a log directory in {tempfile.gettempdir()}: "
+                f"{exc.strerror or exc}; give --log-dir or set TMPDIR",
+                file=sys.stderr,
+            )
+            return 2
         created = log_dir
     elif log_dir is not None:
         created = _missing_ancestor(log_dir)
-        os.makedirs(log_dir, mode=0o700, exist_ok=True)
-        if os.listdir(log_dir):
+        try:
+            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            not_empty = bool(os.listdir(log_dir))
+        except OSError as exc:
+            if created is not None:
+                _remove_created(None, log_dir, created)
+            return _log_dir_error(log_dir, exc)
+        if not_empty:
             print(
                 f"fastspawn run: --log-dir {log_dir} is not empty; give a new or empty "
                 "directory (each run writes attempt_N/ there)",
                 file=sys.stderr,
             )
             return 2
+    if log_dir is not None:
+        # The ranks get error file paths under it: a rank that changes its
+        # working directory (Hydra does) must still find them.
+        log_dir = os.path.abspath(log_dir)
 
     for attempt in range(args.max_restarts + 1):
         attempt_dir = os.devnull
         if log_dir is not None:
             attempt_dir = os.path.join(log_dir, f"attempt_{attempt}")
-            os.mkdir(attempt_dir, 0o700)
+            try:
+                os.mkdir(attempt_dir, 0o700)
+            except OSError as exc:  # an empty directory we may not write to
+                _remove_created(None, log_dir, created)
+                return _log_dir_error(args.log_dir or log_dir, exc)
         envs = rank_envs(nprocs, nnodes, node_rank, addr, port, attempt, args.max_restarts)
         ctx = None
+        stop_signals = None
         try:
             try:
                 ctx = elastic.start_processes(
@@ -316,13 +480,24 @@ def run(args: argparse.Namespace) -> int:
                     # holds an earlier attempt's logs, or the user's files.
                     _remove_created(attempt_dir, log_dir, created)
                 raise
+            stop_signals = _StopSignals(ctx)
+            stop_signals.install()
             if attempt == 0 and log_dir is not None and args.log_dir is None:
                 print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
             result = ctx.wait()
+            assert result is not None
+            if not result.is_failed():
+                return 0
+            local, failure = min(result.failures.items())
+            print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
+            # Inside the try: a signal while the other ranks stop is handled
+            # as one while they run.
+            ctx.close(timeout=10)
         except elastic.SignalException as exc:
-            print(f"fastspawn run: got {exc.sigval.name}, stopping every rank", file=sys.stderr)
-            if ctx is not None:
-                ctx.close(exc.sigval, timeout=10)
+            if ctx is None:  # start_processes stopped what it had started
+                print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
+            else:
+                (stop_signals or _StopSignals(ctx)).stop(exc.sigval)
             return 128 + int(exc.sigval)
         except OSError as exc:
             # OSError's str() ends with the filename: name it once, up front.
@@ -330,12 +505,6 @@ def run(args: argparse.Namespace) -> int:
             why = exc.strerror if exc.filename is not None and exc.strerror else str(exc)
             print(f"fastspawn run: cannot start {what!r}: {why}", file=sys.stderr)
             return 127 if isinstance(exc, FileNotFoundError) else 126
-        assert result is not None
-        if not result.is_failed():
-            return 0
-        local, failure = min(result.failures.items())
-        print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
-        ctx.close(timeout=10)
         if attempt < args.max_restarts:
             print(
                 f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ import time
 import pytest
 from helpers import gone
 
-from fastspawn import _cli
+from fastspawn import _cli, elastic
 
 ENV_NAMES = [
     "RANK",
@@ -145,7 +146,9 @@ def test_exit_code_is_first_failure(tmp_path):
 def test_exit_code_for_signal(tmp_path):
     done = fastspawn_run("--nprocs-per-node", "1", "--", "/bin/sh", "-c", "kill -SEGV $$")
     assert done.returncode == 128 + signal.SIGSEGV
-    assert "killed by signal SIGSEGV" in done.stderr
+    assert "(local rank 0, pid " in done.stderr
+    assert ") was killed by signal SIGSEGV" in done.stderr
+    assert "failed with killed" not in done.stderr
 
 
 def test_missing_program():
@@ -247,9 +250,25 @@ def test_slurm_node_list():
     assert _cli.first_slurm_host("host") == "host"
 
 
+def test_slurm_node_list_odd_names():
+    assert _cli.first_slurm_host("rack1-n[7-8]-ib") == "rack1-n7-ib"
+    assert _cli.first_slurm_host("rack1-n[7-8]-ib,gpu[1-2]") == "rack1-n7-ib"
+    assert _cli.first_slurm_host("r[1-2]n[05-06]") == "r1n05"
+    assert _cli.first_slurm_host("[a]") == "a"
+    assert _cli.first_slurm_host(" cn[010,012] ") == "cn010"
+    for bad in ["", "a[1-2", "a]", ",b"]:
+        with pytest.raises(ValueError, match="Slurm node list"):
+            _cli.first_slurm_host(bad)
+
+
 def test_topology_from_slurm():
     args = argparse.Namespace(nnodes=None, node_rank=None, master_addr=None, master_port=None)
-    env = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "cn[10-13]"}
+    env = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_JOB_NODELIST": "cn[10-13]",
+    }
     assert _cli.topology(args, env) == (4, 2, "cn10", 29500)
     args = argparse.Namespace(nnodes=2, node_rank=1, master_addr="a", master_port=1234)
     assert _cli.topology(args, env) == (2, 1, "a", 1234)
@@ -346,3 +365,158 @@ def test_program_keeps_its_own_double_dash():
     done = fastspawn_run("--nprocs-per-node", "1", "--", "/bin/echo", "--", "x")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "-- x"
+
+
+def test_topology_uses_the_steps_first_host():
+    # A 2-node step on nodes 12-13 of a 4-node job: SLURM_NNODES and
+    # SLURM_NODEID are the step's, so rank 0 is on cn12, not the job's cn10.
+    args = argparse.Namespace(nnodes=None, node_rank=None, master_addr=None, master_port=None)
+    env = {
+        "SLURM_STEP_ID": "3",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "cn[10-13]",
+        "SLURM_NODELIST": "cn[10-13]",
+        "SLURM_STEP_NODELIST": "cn[12-13]",
+    }
+    assert _cli.topology(args, env) == (2, 1, "cn12", 29500)
+    del env["SLURM_STEP_NODELIST"]
+    env["SLURM_NODELIST"] = "cn[11-12]"
+    assert _cli.topology(args, env)[2] == "cn11"
+    env["SLURM_NODELIST"] = "cn[11"
+    with pytest.raises(SystemExit, match="Slurm node list 'cn\\[11'.*--master-addr"):
+        _cli.topology(args, env)
+
+
+def test_topology_ignores_slurm_outside_a_step():
+    # A plain salloc/sbatch shell: the allocation's variables, no step.
+    args = argparse.Namespace(nnodes=None, node_rank=None, master_addr=None, master_port=None)
+    env = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "4", "SLURM_NODEID": "0"}
+    env["SLURM_JOB_NODELIST"] = env["SLURM_NODELIST"] = "cn[10-13]"
+    nnodes, node_rank, addr, port = _cli.topology(args, env)
+    assert (nnodes, node_rank, addr) == (1, 0, "127.0.0.1") and port > 0
+    assert "SLURM_STEP_ID" in fastspawn_run("--help").stdout
+
+
+def test_master_port_must_be_a_port():
+    for bad in ["-5", "0", "70000"]:
+        done = fastspawn_run("--nprocs-per-node", "1", "--master-port", bad, "/bin/true")
+        assert done.returncode == 2, (bad, done.stderr)
+        assert "--master-port: must be a TCP port, 1 to 65535" in done.stderr
+    parser = _cli.build_parser()
+    for good in [1, 65535]:
+        args = parser.parse_args(["run", "--nprocs-per-node", "1", "--master-port", str(good), "x"])
+        assert args.master_port == good
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["file", "under_file", "proc"],
+)
+def test_unusable_log_dir_is_one_clear_line(tmp_path, where):
+    (tmp_path / "f").write_text("x")
+    log_dir = {
+        "file": str(tmp_path / "f"),
+        "under_file": str(tmp_path / "f" / "logs"),
+        "proc": "/proc/fastspawn-no-such-dir",
+    }[where]
+    done = fastspawn_run("--nprocs-per-node", "1", "--log-dir", log_dir, "/bin/true")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"fastspawn run: cannot use --log-dir {log_dir}: ")
+    assert "give a new or empty directory" in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_relative_log_dir_gives_absolute_error_files(tmp_path):
+    # A rank that changes directory (Hydra does) still writes its error file.
+    prog = script(
+        tmp_path,
+        """
+        import json, os, sys
+        path = os.environ["TORCHELASTIC_ERROR_FILE"]
+        os.chdir("/")
+        with open(path, "w") as f:
+            json.dump({"message": f"ValueError: abs={os.path.isabs(path)}"}, f)
+        sys.exit(1)
+    """,
+    )
+    done = fastspawn_run("--nprocs-per-node", "1", "--log-dir", "logs", prog, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "failed with exit code 1: ValueError: abs=True" in done.stderr
+    assert (tmp_path / "logs" / "attempt_0" / "0" / "error.json").is_file()
+
+
+def test_summary_stays_one_line(tmp_path):
+    error_file = tmp_path / "error.json"
+    message = "Traceback (most recent call last):\n  File x\nValueError: boom\n"
+    error_file.write_text(json.dumps({"message": message}))
+    failure = elastic.ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(error_file))
+    line = _cli.describe(failure, 5)
+    assert "\n" not in line
+    assert line == (
+        "fastspawn run: rank 5 (local rank 1, pid 123) failed with exit code 1: "
+        f"Traceback (most recent call last): (+2 more lines in {error_file})"
+    )
+    killed = elastic.ProcessFailure(
+        local_rank=0, pid=9, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none")
+    )
+    assert _cli.describe(killed, 0) == (
+        "fastspawn run: rank 0 (local rank 0, pid 9) was killed by signal SIGKILL"
+    )
+
+
+@pytest.mark.parametrize(
+    ("second", "at_once"),
+    # at once: a second SIGINT would merge with the first pending one
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+)
+def test_second_signal_kills_every_rank_at_once(tmp_path, second, at_once):
+    # Ranks (and their children) that ignore SIGINT: the first Ctrl-C alone
+    # would leave them 10 s before SIGKILL; the second must not crash the
+    # launcher (it did: a SignalException raised inside close(), after which
+    # it waited for the ranks for ever) but kill them now.
+    err_path = tmp_path / "stderr"
+    with open(err_path, "w") as err:
+        run = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", "2", "--"),
+                "/bin/sh",
+                "-c",
+                f'trap "" INT; sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait',
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        pids: list[int] = []
+        while len(pids) < 4:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+            time.sleep(0.05)
+        run.send_signal(signal.SIGINT)
+        if not at_once:
+            while "stopping every rank" not in err_path.read_text():
+                assert time.monotonic() < deadline, "the first signal was not handled"
+                time.sleep(0.05)
+        run.send_signal(second)
+        # Generous: a correct launcher ends in well under a second, the bug
+        # never (a 600 s sleep in each rank).
+        run.wait(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(timeout=30)
+        for pid in [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]:
+            if not gone(pid):  # the bug's leftovers: ours, by pid
+                os.kill(pid, signal.SIGKILL)
+    err_text = err_path.read_text()
+    assert run.returncode == 128 + signal.SIGINT, err_text
+    assert "Traceback" not in err_text and "SignalException" not in err_text, err_text
+    assert "killing every rank" in err_text
+    deadline = time.monotonic() + 5
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "ranks or their children survived"
+        time.sleep(0.05)
