@@ -526,5 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # `fastspawn bench | head` ends quietly, as Unix tools do.  `fastspawn
+    # run` keeps Python's handling: its tee stops writing to a console that
+    # went away (| head -1) and the run goes on, with every line in the logs,
+    # rather than the launcher dying and taking the ranks with it.
+    if sys.argv[1:2] == ["bench"]:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

@@ -1,24 +1,57 @@
 """Copy workers' output pipes to their log files and, line by line with a
-prefix, to the console: one thread, one epoll set, for every rank."""
+prefix, to the console: one thread, one epoll set, for every rank.
+
+The thread must never stop draining: a rank blocks on its next write once
+its pipe is full, so a failing log file or console is dropped (with one
+warning) rather than allowed to end the thread."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from fastspawn._oscall import Waiter
 
+log = logging.getLogger(__name__)
 
-@dataclass
+READ_SIZE = 65536
+# A line without its newline yet is held this long for the rest of it, then
+# shown as it is: a progress bar redrawn with "\r" never sends a newline.
+PARTIAL_DELAY = 0.15
+# A held line this long is shown without waiting for its newline, so that a
+# huge line is neither held whole in memory nor delayed to its end.
+PARTIAL_MAX = 65536
+# How often join() looks at the thread's progress.
+_JOIN_STEP = 0.1
+
+
+class _Console:
+    """A console file, shared by every stream that writes to it."""
+
+    def __init__(self, file: BinaryIO, name: str) -> None:
+        self.file = file
+        self.name = name
+        self.broken = False
+        # The stream whose last console line was shown without its newline
+        # (a held partial line): its next bytes continue that line.
+        self.open_line: _Stream | None = None
+
+
+@dataclass(eq=False)  # compared and hashed by identity: kept in a set
 class _Stream:
     fd: int
     log: BinaryIO | None
-    console: BinaryIO
+    console: _Console
     prefix: bytes
+    # Bytes after the last newline, not shown on the console yet.
     partial: bytearray = field(default_factory=bytearray)
+    # When the oldest byte of ``partial`` arrived (time.monotonic()).
+    held_since: float = 0.0
 
 
 def _console(name: str) -> BinaryIO:
@@ -26,16 +59,37 @@ def _console(name: str) -> BinaryIO:
     return stream.buffer if hasattr(stream, "buffer") else stream  # type: ignore[no-any-return]
 
 
+def _name(file: BinaryIO) -> str:
+    return str(getattr(file, "name", repr(file)))
+
+
 class Tee:
     """Reads every registered pipe until EOF.  Each complete line reaches the
-    console with its prefix, in order per stream; bytes reach the log file as
-    they come.  Nothing is lost at a worker's end: the pipe is read to EOF,
-    and a last line without a newline is flushed then."""
+    console with its prefix, in order per stream; bytes reach the log file,
+    unchanged, as they come, before the console gets them.  Nothing is lost
+    at a worker's end: the pipe is read to EOF, and a last line without a
+    newline is flushed then.
+
+    A line without its newline is shown (prefixed once) after
+    :data:`PARTIAL_DELAY` seconds without one, or once :data:`PARTIAL_MAX`
+    bytes long; its rest continues it unprefixed.
+
+    A log file whose write fails (ENOSPC, EIO) is warned about once and
+    closed; the console still gets the output.  A console whose write fails
+    (EPIPE under ``| head``) is dropped the same way; the log files still get
+    it.
+    """
 
     def __init__(self) -> None:
         self._waiter = Waiter()
         self._streams: dict[int, _Stream] = {}
+        self._consoles: dict[str, _Console] = {}
+        self._held: set[_Stream] = set()  # streams with a non-empty partial
         self._thread: threading.Thread | None = None
+        # For join(): bumped by the thread after each read and console
+        # write; _console_busy is True while it sits in a console write.
+        self._progress = 0
+        self._console_busy = False
 
     def add(self, fd: int, log: BinaryIO | None, console: str, prefix: str) -> None:
         """Watch read end ``fd``; ``console`` is ``"stdout"`` or ``"stderr"``.
@@ -43,8 +97,17 @@ class Tee:
         ``fd`` and ``log`` are taken over, even when this raises: closed at
         EOF, or by :meth:`close`."""
         token = len(self._streams)
+        target = self._consoles.get(console)
+        if target is None:
+            try:
+                target = self._consoles[console] = _Console(_console(console), console)
+            except BaseException:
+                os.close(fd)
+                if log is not None:
+                    log.close()
+                raise
         # Recorded first, so that close() releases them if epoll_ctl fails.
-        self._streams[token] = _Stream(fd, log, _console(console), prefix.encode())
+        self._streams[token] = _Stream(fd, log, target, prefix.encode())
         self._waiter.add(fd, token)
 
     def start(self) -> None:
@@ -64,51 +127,219 @@ class Tee:
         """
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("Tee.close(): the tee thread is running; join() it instead")
+        self._release()
+
+    def _release(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
+        self._held.clear()
         for stream in streams:
             os.close(stream.fd)
-            if stream.log is not None:
-                stream.log.close()
+            self._close_log(stream)
         self._waiter.close()
+
+    # ------------------------------------------------------------ thread
 
     def _run(self) -> None:
         try:
             while self._streams:
                 try:
-                    ready = self._waiter.wait(None)
+                    ready = self._waiter.wait(self._hold_timeout())
                 except InterruptedError:
                     continue
                 for token in ready:
                     self._read(token)
+                self._show_held(time.monotonic())
+        except Exception:
+            # Not expected; but a dead thread with the pipes still open
+            # would leave every rank blocked on a full pipe for ever.
+            # Closed (below), the pipes give the ranks EPIPE instead.
+            log.exception("the output copying thread failed; ranks' output is no longer read")
         finally:
-            self._waiter.close()
+            self._release()
+
+    def _hold_timeout(self) -> float | None:
+        """Seconds until the oldest held partial line is due; None if none."""
+        if not self._held:
+            return None
+        due = min(stream.held_since for stream in self._held) + PARTIAL_DELAY
+        return max(0.0, due - time.monotonic())
 
     def _read(self, token: int) -> None:
         stream = self._streams[token]
-        data = os.read(stream.fd, 65536)
-        if stream.log is not None and data:
+        try:
+            data = os.read(stream.fd, READ_SIZE)
+        except OSError as exc:
+            # Nothing more can be read from it: as at EOF, drop it (its
+            # writer gets EPIPE rather than block on a pipe nobody reads).
+            log.warning(
+                "reading the output of %s failed (%s); no more of it is copied",
+                stream.prefix.decode(errors="replace"),
+                exc,
+            )
+            data = b""
+        self._progress += 1
+        if not data:
+            self._end(token, stream)
+            return
+        # The log first: a console write may block (a paused terminal).
+        self._write_log(stream, data)
+        self._take(stream, data)
+
+    def _write_log(self, stream: _Stream, data: bytes) -> None:
+        if stream.log is None:
+            return
+        try:
             stream.log.write(data)
             stream.log.flush()
-        stream.partial += data
-        if not data:  # EOF: the last, unterminated line too
-            if stream.partial:
-                stream.partial += b"\n"
-        lines, sep, rest = bytes(stream.partial).rpartition(b"\n")
-        if sep:
-            out = b"".join(stream.prefix + line + b"\n" for line in lines.split(b"\n"))
-            stream.console.write(out)
-            stream.console.flush()
-            stream.partial = bytearray(rest)
-        if not data:
-            self._waiter.remove(stream.fd)
-            os.close(stream.fd)
-            if stream.log is not None:
-                stream.log.close()
-            del self._streams[token]
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "cannot write the log file %s (%s): no more output is written to it; "
+                "the console, if teed, still gets it",
+                _name(stream.log),
+                exc,
+            )
+            self._close_log(stream)
 
-    def join(self, timeout: float | None) -> bool:
-        """Wait until every pipe reached EOF; False if ``timeout`` ran out."""
-        if self._thread is None:
+    def _close_log(self, stream: _Stream) -> None:
+        file, stream.log = stream.log, None
+        if file is None:
+            return
+        try:
+            # A buffered file flushes first, and may fail again (the disk is
+            # still full); its fd is closed all the same.
+            file.close()
+        except (OSError, ValueError):
+            pass
+
+    def _take(self, stream: _Stream, data: bytes) -> None:
+        """Show the complete lines of ``data``; hold the rest.  Work in
+        proportion to ``data``: only the new bytes are scanned, and the held
+        part, at most PARTIAL_MAX bytes, is copied once when shown."""
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            lines = bytes(stream.partial) + data[:cut] if stream.partial else data[:cut]
+            stream.partial = bytearray(data[cut:])
+            stream.held_since = time.monotonic()
+            self._show(stream, lines)
+        else:
+            if not stream.partial:
+                stream.held_since = time.monotonic()
+            stream.partial += data
+        if len(stream.partial) >= PARTIAL_MAX:
+            self._show_partial(stream)
+        elif stream.partial:
+            self._held.add(stream)
+        else:
+            self._held.discard(stream)
+
+    def _show_held(self, now: float) -> None:
+        for stream in [s for s in self._held if now - s.held_since >= PARTIAL_DELAY]:
+            self._show_partial(stream)
+
+    def _show_partial(self, stream: _Stream) -> None:
+        text = bytes(stream.partial)
+        stream.partial.clear()
+        self._held.discard(stream)
+        self._show(stream, text)
+
+    def _end(self, token: int, stream: _Stream) -> None:
+        """EOF: show the last, unterminated line, and release the stream."""
+        if stream.partial:
+            text = bytes(stream.partial) + b"\n"
+            stream.partial.clear()
+            self._show(stream, text)
+        elif stream.console.open_line is stream:
+            self._show(stream, b"\n")  # end the line that was shown unfinished
+        self._held.discard(stream)
+        del self._streams[token]
+        self._waiter.remove(stream.fd)
+        os.close(stream.fd)
+        self._close_log(stream)
+
+    def _show(self, stream: _Stream, text: bytes) -> None:
+        """Write ``text`` to the console, each line that starts in it
+        prefixed; ``text`` may end without a newline (the line is then left
+        open, and ``stream``'s next text continues it)."""
+        console = stream.console
+        if console.broken:
+            return
+        parts = []
+        if console.open_line is not None and console.open_line is not stream:
+            # Another rank's line was left unfinished: end it, so that this
+            # one starts on a line of its own with its prefix.
+            parts.append(b"\n")
+            console.open_line = None
+        continues = console.open_line is stream
+        lines = text.split(b"\n")
+        tail = lines.pop()  # b"" when text ends with a newline
+        for i, line in enumerate(lines):
+            if i or not continues:
+                parts.append(stream.prefix)
+            parts += (line, b"\n")
+        if tail:
+            if lines or not continues:
+                parts.append(stream.prefix)
+            parts.append(tail)
+            console.open_line = stream
+        else:
+            console.open_line = None
+        self._write_console(console, b"".join(parts))
+
+    def _write_console(self, console: _Console, out: bytes) -> None:
+        self._console_busy = True
+        try:
+            console.file.write(out)
+            console.file.flush()
+        except (OSError, ValueError) as exc:
+            console.broken = True
+            log.warning(
+                "cannot write the ranks' output to %s (%s): no more of it goes there; "
+                "log files still get it",
+                console.name,
+                exc,
+            )
+        finally:
+            self._console_busy = False
+            self._progress += 1
+
+    # -------------------------------------------------------------- join
+
+    def join(self, idle_timeout: float | None = 5.0) -> bool:
+        """Wait until every pipe reached EOF and its output was written out.
+
+        No bound on a tee that makes progress: a slow console (a paused
+        terminal, a slow reader of a pipe) delays the end but loses nothing.
+
+        Args:
+            idle_timeout: give up, with a warning, once the thread has sat
+                this many seconds waiting for data with pipes still open and
+                none coming: a process other than the ranks (a daemonised
+                child) holds a write end.  None: wait for ever.
+
+        Returns:
+            False if it gave up; the thread then goes on copying.
+        """
+        thread = self._thread
+        if thread is None:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        seen = self._progress
+        idle_since = time.monotonic()
+        while True:
+            thread.join(_JOIN_STEP)
+            if not thread.is_alive():
+                return True
+            now = time.monotonic()
+            if self._console_busy or self._progress != seen:
+                seen = self._progress
+                idle_since = now
+            elif idle_timeout is not None and now - idle_since >= idle_timeout:
+                open_ = sorted(
+                    s.prefix.decode(errors="replace") for s in dict(self._streams).values()
+                )
+                log.warning(
+                    "output of %s still open %.1f s after its ranks ended, with no data: "
+                    "a process outside the ranks holds it; not waiting for it",
+                    ", ".join(open_),
+                    idle_timeout,
+                )
+                return False

@@ -590,7 +590,7 @@ class PContext:
                 exitcode=code if code is not None else 1,
                 error_file=self.error_files[rank],
             )
-            self._tee.join(5.0)
+            self._tee.join(idle_timeout=5.0)
             _forget_context(self)  # every rank is reaped
             self._result = RunProcsResult(
                 failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
@@ -598,7 +598,7 @@ class PContext:
             return self._result
         if not done:
             return None
-        self._tee.join(5.0)
+        self._tee.join(idle_timeout=5.0)
         _forget_context(self)
         self._result = self._success()
         return self._result
@@ -696,7 +696,7 @@ class PContext:
                 pass  # stopped on purpose; _closed_result reports it
         else:
             log.warning("close(): the ranks' context did not report them all done")
-        self._tee.join(5.0)
+        self._tee.join(idle_timeout=5.0)
         if self._result is None:
             self._result = self._closed_result()
 
