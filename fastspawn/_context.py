@@ -62,7 +62,11 @@ class ProcessContext:
         processes: one :class:`fastspawn.Process` per rank.
         return_values: ``{rank: value}`` of every rank that returned, once
             all are reaped (after a failure too: the ranks that finished
-            before it keep their values).
+            before it keep their values).  Values arrive pickled and are
+            unpickled at the first read of this attribute, not in ``join``:
+            a caller that never reads them (torch code) never pays for it,
+            and one that cannot be unpickled here (its class lives only in
+            the workers) raises when read, naming the rank.
     """
 
     def __init__(
@@ -76,7 +80,8 @@ class ProcessContext:
         self.processes = processes
         self._group = group  # process group of the workers (zygote), 0: none
         self._watched_groups = list(watched_groups)  # see LaunchRequest
-        self.return_values: dict[int, Any] = {}
+        self._values: dict[int, Any] = {}  # see return_values
+        self._pickled: dict[int, bytes] = {}  # rank -> value not yet unpickled
         self.daemon = daemon
         self._receiver = receiver
         self._waiter: _oscall.Waiter | None = _oscall.Waiter()
@@ -97,7 +102,6 @@ class ProcessContext:
             proc.on_close = weakref.WeakMethod(self._forget)
         self._open_pidfds = len(processes)  # closed by _forget, one by one
         self._join_lock = threading.Lock()
-        self._finish_error: Exception | None = None  # see _finish
         self._failed = False
         # After a failure: the other ranks that ended badly (stopped by the
         # signal, say), by rank, each raised by one more join() as torch does.
@@ -324,34 +328,40 @@ class ProcessContext:
             exit_code=code,
         )
 
-    def _finish(self) -> None:
-        """Every worker is reaped: collect return values, release every fd.
+    @property
+    def return_values(self) -> dict[int, Any]:
+        """``{rank: value}`` of the ranks that returned, unpickled here at
+        the first read (see the class docstring).
 
-        A value that cannot be unpickled here raises, after the fds are
-        released, from this join and every later one."""
+        Raises:
+            Exception: what unpickling a rank's value raised (a
+                ModuleNotFoundError, say), again at every read; the other
+                ranks' values are kept.
+        """
+        error: Exception | None = None
+        for rank in sorted(self._pickled):
+            try:
+                self._values[rank] = pickle.loads(self._pickled[rank])
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"(unpickling the return value of rank {rank})")
+                error = error or exc
+                continue
+            del self._pickled[rank]  # the raw pickle is not kept beside the value
+        if error is not None:
+            raise error
+        return self._values
+
+    def _finish(self) -> None:
+        """Every worker is reaped: take the return values (still pickled),
+        release every fd."""
         if self._waiter is None:
-            if self._finish_error is not None:
-                raise self._finish_error
             return
         self._receiver.drain()
         reports = self._receiver.reports
         for rank in range(len(self.processes)):
             if rank in reports.results:
-                try:
-                    self.return_values[rank] = pickle.loads(reports.results[rank])
-                    del reports.results[rank]  # the raw pickle is not kept beside the value
-                except Exception as exc:
-                    if not self._failed:
-                        if self._finish_error is None:
-                            self._finish_error = exc
-                        continue
-                    # The failure is what the caller must hear of.
-                    log.warning(
-                        "rank %d returned a value that could not be unpickled; it is "
-                        "missing from return_values",
-                        rank,
-                        exc_info=True,
-                    )
+                self._pickled[rank] = reports.results.pop(rank)
             elif rank in reports.unpicklable:
                 log.warning(
                     "rank %d returned a value that cannot be pickled (%s); "
@@ -368,8 +378,6 @@ class ProcessContext:
         self._receiver.close()
         _launch.forget_groups(self._watched_groups)
         _live_contexts.discard(self)
-        if self._finish_error is not None:
-            raise self._finish_error
 
     def _shutdown_at_exit(self) -> None:
         """What multiprocessing does at interpreter exit: terminate daemonic
