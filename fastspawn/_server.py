@@ -216,6 +216,10 @@ class _Zygote:
         # launch got the number since (its hang-up must not end the new one).
         self.closed_in_batch: set[int] = set()
         self.settled_modules = 0  # len(sys.modules) at the last settle()
+        # How preparing like a spawn child (importing the caller's main
+        # module) failed, if it did: ("exit", code) or ("error", traceback).
+        # Every launch's workers then fail as spawned ones would.
+        self.prepare_failure: tuple[str, Any] | None = None
         self.to_collapse: list[int] = []  # stretches for collapse_when_idle
 
     def reclaim_signals(self) -> None:
@@ -384,7 +388,12 @@ class _Zygote:
             _pickling.inherited_fds[:] = user_fds
             if header["tracker_index"] is not None:
                 _adopt_tracker(user_fds[header["tracker_index"]])
-            fn, args = pickle.load(payload)
+            if self.prepare_failure is None:
+                fn, args = pickle.load(payload)
+            elif self.prepare_failure[0] == "exit":
+                fn, args = _worker.exit_during_prepare, (self.prepare_failure[1],)
+            else:
+                payload_error = self.prepare_failure[1]
         except BaseException:
             payload_error = traceback.format_exc()
         finally:
@@ -683,6 +692,20 @@ _OWN_HANDLERS: dict[int, Any] = {
 }
 
 
+def _failure_of(exc: BaseException) -> tuple[str, Any]:
+    """What a spawned worker would have done had importing the main module
+    raised ``exc``: exit (SystemExit: an argparse error at import, say) or
+    die with the traceback."""
+    if isinstance(exc, SystemExit):
+        return ("exit", _worker._exit_code(exc))
+    return (
+        "error",
+        "the main module could not be imported in the zygote, as a spawned worker "
+        "imports it (code outside `if __name__ == '__main__':` runs there too):\n"
+        + traceback.format_exc(),
+    )
+
+
 def main() -> None:
     """Entry of the zygote process: ``python -c ... <control fd> <caller pid>``."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -697,7 +720,12 @@ def main() -> None:
         if not data:
             return
         hello = pickle.loads(data)
-        _worker.prepare(hello["preparation"])
+        try:
+            _worker.prepare(hello["preparation"])
+        except BaseException as exc:
+            if _terminating:
+                raise  # the caller died: our own SIGTERM
+            zygote.prepare_failure = _failure_of(exc)
         _import_all(hello["preload"])
         zygote.reclaim_signals()
         zygote.settle()

@@ -73,6 +73,12 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def exit_during_prepare(rank: int, code: int) -> None:
+    """The fn of a zygote worker whose main module exited while the zygote
+    imported it: exit the same way, as a spawned worker would have."""
+    raise SystemExit(code)
+
+
 def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, body: bytes) -> None:
     """Send a report on ``tx`` if its fd is still the channel it was when
     the worker started (``channel``: its st_dev, st_ino).  A worker that

@@ -231,7 +231,45 @@ def test_unguarded_main_is_an_error_not_a_process_storm(tmp_path):
     )
     assert done.returncode != 0
     assert "bootstrapping phase" in done.stderr
-    assert "the zygote could not start the workers" in done.stderr
+    # Each rank fails as a spawned one would, with the traceback.
+    assert "fastspawn._errors.ProcessRaisedException" in done.stderr
+    assert "the main module could not be imported in the zygote" in done.stderr
+
+
+def test_main_module_that_exits_at_import_exits_every_rank_so(tmp_path):
+    # argparse at module level (outside the guard) exits 2 where the zygote
+    # imports the script: each rank exits 2, as a spawned one would, and the
+    # zygote stays up for the caller's next launch.
+    script = tmp_path / "exits.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import fastspawn
+
+            if __name__ != "__main__":
+                sys.exit(2)
+
+            def work(rank):
+                return rank
+
+            if __name__ == "__main__":
+                for _ in range(2):
+                    try:
+                        fastspawn.start_processes(work, nprocs=2)
+                    except fastspawn.ProcessExitedException as exc:
+                        print(exc)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all(
+        line.endswith("terminated with exit code 2") for line in lines
+    ), lines
 
 
 def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatch):
