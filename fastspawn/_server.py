@@ -195,6 +195,7 @@ class _Zygote:
     def __init__(self, control: socket.socket, parent: int) -> None:
         self.control = control
         self.me = os.getpid()
+        self.caller = parent
         self.parent_fd = _oscall.pidfd_open(parent)
         if os.getppid() != parent:
             raise SystemExit(0)  # the caller died before we could watch it
@@ -444,6 +445,7 @@ class _Zygote:
                         stdin=-1 if caller_in is None else caller_in,
                         process_state=process_state,
                         from_zygote=True,
+                        caller=self.caller,
                     )
                 if group:
                     try:

@@ -240,6 +240,24 @@ def quiet_stdin() -> None:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the worker
 
 
+def _set_parent_process(caller: int) -> None:
+    """Make ``multiprocessing.parent_process()`` the caller, as in a spawned
+    or forked multiprocessing child (code tells a worker from the main
+    process by it).  Its sentinel is a pidfd of the caller: ready once the
+    caller has exited."""
+    from multiprocessing import process
+
+    from fastspawn import _oscall
+
+    try:
+        sentinel = _oscall.pidfd_open(caller)
+    except OSError:
+        return  # the caller is gone: PR_SET_PDEATHSIG ends us anyway
+    process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
+        "MainProcess", caller, sentinel
+    )
+
+
 def _redirect_stdio(stdio: Sequence[int]) -> None:
     """Point fds 1 and 2 at the given fds (-1: leave as is), flushing first."""
     for target, fd in zip((1, 2), stdio, strict=True):
@@ -303,6 +321,7 @@ def forked_child(
     stdin: int | None = -1,
     process_state: dict[str, Any] | None = None,
     from_zygote: bool = False,
+    caller: int | None = None,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
@@ -314,6 +333,7 @@ def forked_child(
     ``process_state``: the caller's settings that differ from this
     process's (see _procstate).  ``from_zygote``: forked from the zygote,
     not from the caller: the worker's own atexit handlers run at its exit.
+    ``caller``: the launching process, when not ``parent``.
     """
     code, signum = 1, 0
     try:
@@ -345,6 +365,7 @@ def forked_child(
             os.environ.update(rank_env)
         _match_torch_threads()
         _after_fork(rank, daemon)
+        _set_parent_process(parent if caller is None else caller)
         if payload_error is not None:
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
         else:
@@ -435,6 +456,7 @@ def spawn_main() -> NoReturn:
                 preparation = pickle.load(payload)
                 prepare(preparation)
                 process.current_process()._config["daemon"] = daemon  # type: ignore[attr-defined]
+                _set_parent_process(os.getppid())
                 process.current_process().name = f"fastspawn-worker-{rank}"
                 fn, args = pickle.load(payload)
             except BaseException:

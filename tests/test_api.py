@@ -312,3 +312,9 @@ def test_program_read_from_stdin_can_launch(start_method):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[(0, 0), (1, 1)]"
+
+
+def test_parent_process_is_the_caller(start_method):
+    # As in multiprocessing's children: code tells a worker by it.
+    ctx = start(workers.parent_info, nprocs=2, start_method=start_method)
+    assert ctx.return_values == {0: (os.getpid(), True), 1: (os.getpid(), True)}

@@ -421,3 +421,10 @@ def torch_threads(rank: int) -> tuple[str, int]:
     import torch
 
     return os.environ.get("OMP_NUM_THREADS", ""), torch.get_num_threads()
+
+
+def parent_info(rank: int) -> tuple[int | None, bool]:
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return (None, False) if parent is None else (parent.pid, parent.is_alive())
