@@ -8,6 +8,7 @@ import operator
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -38,6 +39,11 @@ _DEPRECATED_OPTIONS = (
     "node_ip",
     "use_paddlecloud",
 )
+
+# paddle.distributed.spawn options that set up paddle's own devices and
+# communication: refused with a message saying what to do instead.
+_PADDLE_OPTIONS = ("gpus", "xpus", "ips", "backend", "print_config")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Contexts whose workers are not all reaped, held (as multiprocessing holds
 # its children) so that a context dropped unjoined is still shut down at exit.
@@ -488,13 +494,32 @@ def _check_preload(preload: Any, start_method: str) -> list[str]:
     return list(preload)
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by our caller name the
+    first line outside fastspawn (start_processes called directly, or
+    through spawn)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
 def _check_options(options: Mapping[str, Any]) -> None:
     for key in options:
         if key in _DEPRECATED_OPTIONS:
             warnings.warn(
                 f"The option {key!r} is deprecated and ignored by fastspawn.",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
+            )
+        elif key in _PADDLE_OPTIONS:
+            raise ValueError(
+                f"option {key!r} is paddle.distributed.spawn's: fastspawn starts the "
+                "processes and sets up no device or communication backend; choose "
+                "devices and initialize the process group in fn (per-rank envs= can "
+                "carry CUDA_VISIBLE_DEVICES and the like)"
             )
         else:
             raise ValueError(

@@ -117,14 +117,24 @@ def test_bad_envs(envs, error, match):
 
 
 def test_unknown_option_names_it():
-    with pytest.raises(ValueError, match="unknown option 'gpus'"):
-        start(workers.succeed, gpus="0,1")
+    with pytest.raises(ValueError, match="unknown option 'gpu_ids'"):
+        start(workers.succeed, gpu_ids="0,1")
 
 
-def test_deprecated_option_warns():
-    with pytest.warns(DeprecationWarning, match="'node_ip' is deprecated"):
-        ctx = start(workers.succeed, start_method="fork", node_ip="127.0.0.1")
+def test_paddle_option_says_what_to_do_instead():
+    with pytest.raises(ValueError, match="option 'backend' is paddle.distributed.spawn's"):
+        start(workers.succeed, backend="gloo")
+
+
+@pytest.mark.parametrize("through", ["start_processes", "spawn"])
+def test_deprecated_option_warns_at_the_callers_line(through):
+    call = getattr(fastspawn, through)
+    with pytest.warns(DeprecationWarning, match="'node_ip' is deprecated") as record:
+        ctx = call(workers.succeed, nprocs=1, start_method="spawn", node_ip="127.0.0.1")
     assert ctx.return_values == {0: 0}
+    # Attributed to this file, so the default filters (which show a
+    # DeprecationWarning only in __main__'s code) treat it as the user's.
+    assert record[0].filename == __file__
 
 
 def test_envs_applied_per_rank(start_method):
