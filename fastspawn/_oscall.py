@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from fastspawn._core import ffi, lib
@@ -246,3 +248,34 @@ def launch(
             raise OSError(err, message)  # a limit of this process, not the binary's fault
         raise OSError(err, message, path)
     return int(pid), int(pidfd[0])
+
+
+# Signals that report a fault of the thread that caused it: never blocked.
+_SYNCHRONOUS = {
+    signal.SIGSEGV,
+    signal.SIGBUS,
+    signal.SIGFPE,
+    signal.SIGILL,
+    signal.SIGABRT,
+    signal.SIGTRAP,
+    signal.SIGSYS,
+}
+
+
+def start_quiet_thread(thread: threading.Thread) -> None:
+    """Start a helper thread (one that never forks or launches) with every
+    asynchronous signal blocked in it.
+
+    The kernel hands a signal sent to the process to any thread that does not
+    block it, and takes another one than the main thread when the main thread
+    has one pending already (a Ctrl-C followed at once by a SIGTERM).  Python
+    runs handlers in the main thread only; if ours took the signal, the main
+    thread, asleep in epoll_wait without a timeout, would never wake to run
+    the handler.  The new thread inherits the mask in force at start().
+    """
+    blocked = signal.valid_signals() - _SYNCHRONOUS - {signal.SIGKILL, signal.SIGSTOP}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

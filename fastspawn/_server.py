@@ -792,7 +792,7 @@ class ServerClient:
         self.watcher = threading.Thread(
             target=self._watch, name="fastspawn-zygote-watch", daemon=True
         )
-        self.watcher.start()
+        _oscall.start_quiet_thread(self.watcher)
 
     def process_state_now(self) -> dict[str, Any]:
         """The caller's umask, CPU affinity, nice value and resource limits

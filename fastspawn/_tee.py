@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from fastspawn._oscall import Waiter
+from fastspawn._oscall import Waiter, start_quiet_thread
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Tee:
     def start(self) -> None:
         if self._streams:
             thread = threading.Thread(target=self._run, name="fastspawn-tee", daemon=True)
-            thread.start()
+            start_quiet_thread(thread)
             self._thread = thread
         else:
             self._waiter.close()

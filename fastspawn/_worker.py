@@ -223,20 +223,33 @@ def _after_fork(rank: int, daemon: bool) -> None:
 
 
 def quiet_stdin() -> None:
-    """Make fd 0 and ``sys.stdin`` read /dev/null, as multiprocessing gives
-    its children: a worker that reads the terminal (``input()``, a stray
+    """Make ``sys.stdin`` read /dev/null, as multiprocessing gives its
+    children: a worker that reads the terminal (``input()``, a stray
     ``breakpoint()``) gets EOFError instead of stopping on SIGTTIN in its
-    background process group and hanging the job."""
-    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    background process group and hanging the job.
+
+    fd 0 is pointed at /dev/null too, but only when it is what ``sys.stdin``
+    reads: a caller started with stdin closed has none (``sys.stdin`` is
+    None, and its fd 0 may be a Pipe passed to this worker since).  The old
+    ``sys.stdin`` is not closed: in a worker forked from a caller with
+    threads, one may have been reading it at the fork, its lock held for
+    good (``sys.__stdin__`` keeps it from being collected)."""
+    stdin = sys.stdin
+    if stdin is None:
+        return
     try:
+        reads_fd0 = stdin.fileno() == 0
+    except (AttributeError, OSError, ValueError):  # replaced (pytest's), or closed
+        reads_fd0 = False
+    if not reads_fd0:
+        sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the worker
+        return
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    if fd == 0:  # fd 0 had been closed: this is it now
+        os.set_inheritable(0, True)
+    else:
         os.dup2(fd, 0)
-    finally:
         os.close(fd)
-    if sys.stdin is not None:
-        try:
-            sys.stdin.close()
-        except Exception:
-            pass
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the worker
 
 

@@ -481,7 +481,7 @@ def test_workers_take_the_callers_settings_at_launch(start_method):
         os.sched_setaffinity(0, cpus)
         resource.setrlimit(resource.RLIMIT_CORE, core)
     for rank in (0, 1):
-        assert ctx.return_values[rank] == (0o077, [min(cpus)], (0, core[1]), os.devnull)
+        assert ctx.return_values[rank] == (0o077, [min(cpus)], (0, core[1]), "")
 
 
 def test_a_worker_reading_stdin_gets_eof(start_method):
@@ -610,3 +610,81 @@ def test_the_zygotes_atexit_handlers_do_not_run_in_its_workers(tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(tmp_path))
     fastspawn.start_processes(workers.succeed, nprocs=2, preload=["zygote_atexit_probe"])
     assert not marker.exists()
+
+
+def test_workers_of_a_caller_without_stdin(tmp_path):
+    # Started with fd 0 closed, the caller has sys.stdin None, and a Pipe it
+    # makes can land on fd 0: workers must run, and a fork worker must keep
+    # that Pipe end, not get /dev/null in its place.
+    script = tmp_path / "nostdin.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing, sys
+            import fastspawn
+
+            def work(rank):
+                return rank
+
+            def send(rank, conn):
+                conn.send(("hello", rank))
+
+            if __name__ == "__main__":
+                assert sys.stdin is None
+                for method in ("zygote", "fork", "spawn"):
+                    ctx = fastspawn.start_processes(work, nprocs=2, start_method=method)
+                    print(method, ctx.return_values)
+                theirs, ours = multiprocessing.Pipe()
+                print("pipe on fd", theirs.fileno())
+                fastspawn.start_processes(send, (theirs,), nprocs=1, start_method="fork")
+                print("got", ours.recv())
+            """
+        )
+    )
+    done = subprocess.run(
+        ["/bin/sh", "-c", f'exec "{sys.executable}" "{script}" <&-'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "zygote {0: 0, 1: 1}",
+        "fork {0: 0, 1: 1}",
+        "spawn {0: 0, 1: 1}",
+        "pipe on fd 0",
+        "got ('hello', 0)",
+    ]
+
+
+def test_fork_worker_while_another_thread_reads_stdin(tmp_path):
+    # The reading thread holds sys.stdin's lock at the fork; the worker must
+    # not wait for it (closing the inherited sys.stdin would, for ever).
+    script = tmp_path / "reader.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, threading, time
+            import fastspawn
+
+            def work(rank):
+                return rank
+
+            if __name__ == "__main__":
+                threading.Thread(target=sys.stdin.readline, daemon=True).start()
+                time.sleep(0.2)
+                ctx = fastspawn.start_processes(work, nprocs=1, start_method="fork", join=False)
+                print(ctx.join(timeout=30))
+            """
+        )
+    )
+    reader, writer = os.pipe()
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], stdin=reader, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        os.close(reader)
+        os.close(writer)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["True"]

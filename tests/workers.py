@@ -371,7 +371,7 @@ def close_inherited_fds_and_return(rank: int) -> int:
 
 
 def process_settings(rank: int) -> tuple[int, list[int], tuple[int, int], str]:
-    """(umask, CPU affinity, RLIMIT_CORE, what fd 0 is) of this worker."""
+    """(umask, CPU affinity, RLIMIT_CORE, what sys.stdin reads) of this worker."""
     import resource
 
     mask = os.umask(0)
@@ -380,7 +380,7 @@ def process_settings(rank: int) -> tuple[int, list[int], tuple[int, int], str]:
         mask,
         sorted(os.sched_getaffinity(0)),
         resource.getrlimit(resource.RLIMIT_CORE),
-        os.readlink("/proc/self/fd/0"),
+        sys.stdin.read(),
     )
 
 
@@ -389,8 +389,10 @@ def read_stdin(rank: int) -> str:
 
 
 def print_marker(rank: int, marker: str) -> None:
-    print(f"{marker} {rank}", flush=True)
-    print(f"{marker} err {rank}", file=sys.stderr, flush=True)
+    # One write per line: print() makes two (text, then newline) when
+    # PYTHONUNBUFFERED is set, and two ranks' lines would interleave.
+    os.write(1, f"{marker} {rank}\n".encode())
+    os.write(2, f"{marker} err {rank}\n".encode())
 
 
 def inheritable_sockets(rank: int) -> list[int]:
