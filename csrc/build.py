@@ -38,6 +38,7 @@ ffibuilder.cdef(
         int new_process_group;
     };
     int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+    int fs_same_file(int a, int b);
     """
 )
 ffibuilder.set_source(

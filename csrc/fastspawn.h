@@ -49,5 +49,6 @@ struct fs_launch_spec {
     int new_process_group;     /* non-zero: setpgid(0, 0) in the child */
 };
 int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+int fs_same_file(int a, int b);
 
 #endif

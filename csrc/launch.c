@@ -22,6 +22,12 @@
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
 #endif
+#ifndef SYS_kcmp
+#define SYS_kcmp 312
+#endif
+#ifndef KCMP_FILE
+#define KCMP_FILE 0
+#endif
 
 /* The child's stack.  The child only runs the short, async-signal-safe
  * sequence below, so this is generous. */
@@ -204,4 +210,20 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
         return -1;
     }
     return pid;
+}
+
+/* kcmp(2) with KCMP_FILE: whether fds `a` and `b` of this process refer to
+ * the same open file description (dup'd, inherited or passed over a socket:
+ * one file offset, one set of status flags).  Returns 1 if so, 0 if not.
+ * ENOSYS without CONFIG_KCMP, EPERM where a seccomp policy (some container
+ * runtimes) or ptrace restrictions refuse it: the caller then cannot tell.
+ */
+int fs_same_file(int a, int b)
+{
+    pid_t self = getpid();
+    long r = syscall(SYS_kcmp, self, self, KCMP_FILE, (unsigned long)a, (unsigned long)b);
+
+    if (r < 0)
+        return -1;
+    return r == 0 ? 1 : 0;
 }

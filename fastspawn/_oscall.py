@@ -63,6 +63,13 @@ def pidfd_open(pid: int) -> int:
     return int(fd)
 
 
+def same_file(a: int, b: int) -> bool | None:
+    """Whether fds ``a`` and ``b`` share one open file description (kcmp);
+    None where the kernel will not say (no kcmp, or a policy refusing it)."""
+    r = lib.fs_same_file(a, b)
+    return None if r < 0 else bool(r)
+
+
 def pidfd_send_signal(pidfd: int, sig: int) -> None:
     """Signal the process behind ``pidfd``.  ProcessLookupError once it exited."""
     if lib.fs_pidfd_send_signal(pidfd, sig) != 0:

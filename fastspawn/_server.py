@@ -38,6 +38,7 @@ import pickle
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -154,13 +155,36 @@ def _stdio_by_rank(slots: Sequence[Sequence[int]], fds: Sequence[int]) -> dict[i
     return stdio
 
 
+def _unless_same(fd: int, target: int) -> int:
+    """``fd``, or -1 (closing it) when it writes where our ``target`` (1 or
+    2) does already, as when the caller has not redirected it since the
+    zygote started: its workers then skip a dup2 each (with the pages that
+    copies).  The same open file description (kcmp), or, where the kernel
+    will not compare, the same terminal, pipe or socket; a regular file is
+    otherwise always taken, since two descriptions of it keep two offsets."""
+    same = _oscall.same_file(fd, target)
+    if same is None:
+        try:
+            ours, theirs = os.fstat(target), os.fstat(fd)
+        except OSError:
+            return fd
+        same = not stat.S_ISREG(theirs.st_mode) and (ours.st_dev, ours.st_ino) == (
+            theirs.st_dev,
+            theirs.st_ino,
+        )
+    if not same:
+        return fd
+    os.close(fd)
+    return -1
+
+
 def _rank_stdio(own: Sequence[int] | None, out: int, err: int) -> tuple[list[int], list[int]]:
     """A rank's [stdout fd, stderr fd]: its own where it has one, else the
     caller's (``out``, ``err``); and the caller's it does not use, for it to
     close."""
     pair = list(own) if own is not None else [-1, -1]
     chosen = [pair[0] if pair[0] >= 0 else out, pair[1] if pair[1] >= 0 else err]
-    return chosen, [fd for fd in (out, err) if fd not in chosen]
+    return chosen, [fd for fd in (out, err) if fd >= 0 and fd not in chosen]
 
 
 def _others_stdio(stdio: Mapping[int, Sequence[int]], rank: int) -> list[int]:
@@ -197,6 +221,14 @@ class _Zygote:
         self.me = os.getpid()
         self.caller = parent
         self.parent_fd = _oscall.pidfd_open(parent)
+        # Made once, for every worker (see _worker.forked_child):
+        # multiprocessing.parent_process(), the caller, whose pidfd the
+        # workers keep as its sentinel.
+        from multiprocessing import process
+
+        self.parent_process = process._ParentProcess(  # type: ignore[attr-defined]
+            "MainProcess", parent, self.parent_fd
+        )
         if os.getppid() != parent:
             raise SystemExit(0)  # the caller died before we could watch it
         _oscall.set_child_subreaper()
@@ -288,10 +320,11 @@ class _Zygote:
             _hugepages.collapse(self.to_collapse.pop())
 
     def own_fds(self) -> list[int]:
+        # Not parent_fd: the workers keep it (see self.parent_process); it
+        # is close-on-exec.
         fixed = [
             self.control.fileno(),
             self.epoll.fileno(),
-            self.parent_fd,
             self.wake_r,
             self.wake_w,
         ]
@@ -369,7 +402,9 @@ class _Zygote:
         # The caller's stdio: what a rank without its own gets.
         callers = carried[stdio_end:]
         caller_in = callers[0] if len(callers) == 3 else None
-        caller_out, caller_err = callers[-2:]
+        caller_out, caller_err = (
+            _unless_same(fd, target) for fd, target in zip(callers[-2:], (1, 2), strict=True)
+        )
         launch = _Launch(tx, nprocs)
         fn: Any = None
         args: Any = ()
@@ -410,6 +445,9 @@ class _Zygote:
         daemon = bool(header["daemon"])
         process_state = header["process_state"]
         close_fds = self.own_fds()
+        # The exit-time finalizers the workers must leave to the zygote.
+        finalize = getattr(sys.modules.get("weakref"), "finalize", None)
+        _worker.zygote_finalizers = frozenset(getattr(finalize, "_registry", ()))
         sys.stdout.flush()
         sys.stderr.flush()
         pids: list[int] = []
@@ -445,7 +483,7 @@ class _Zygote:
                         stdin=-1 if caller_in is None else caller_in,
                         process_state=process_state,
                         from_zygote=True,
-                        caller=self.caller,
+                        parent_process=self.parent_process,
                     )
                 if group:
                     try:
@@ -467,8 +505,9 @@ class _Zygote:
                 for fd in pair:
                     if fd >= 0:
                         os.close(fd)
-            for fd in callers:
-                os.close(fd)
+            for caller_fd in (caller_in, caller_out, caller_err):
+                if caller_fd is not None and caller_fd >= 0:
+                    os.close(caller_fd)
         del fn, args
         # Arguments in a reference cycle (an object that refers to itself)
         # would wait for a collection, or be frozen by settle(), holding the
@@ -754,6 +793,9 @@ class ServerClient:
         # What the zygote inherits now; a launch sends what changed since.
         self.process_state = _procstate.capture()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The zygote reads nothing; its stdin, /dev/null, is what its
+        # function workers inherit (as multiprocessing gives its children).
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             argv = [
                 sys.executable,
@@ -770,12 +812,14 @@ class ServerClient:
                 sys.executable,
                 argv,
                 dict(os.environ),
+                stdin=null,
                 keep_fds=[theirs.fileno()],
                 pdeathsig=signal.SIGTERM,
                 new_process_group=True,
             )
         finally:
             theirs.close()
+            os.close(null)
         self.control = mine
         self.owner = os.getpid()
         self.lock = threading.Lock()

@@ -151,21 +151,34 @@ def flush_std_streams() -> None:
             pass
 
 
+# Set in the zygote before it forks (see _server): the weakref.finalize
+# objects it holds, which its workers must not run at their exit.
+zygote_finalizers: frozenset[Any] = frozenset()
+
+
 def own_exit_handlers() -> None:
-    """In a worker forked from the zygote: drop the atexit handlers and
-    exit-time finalizers the zygote registered, so that those the worker
-    registers itself run at its exit (as in a spawned worker, whose own
-    imports and code registered them) and the zygote's do not run once per
-    worker (a temporary directory the zygote made would be removed by the
-    first worker to exit)."""
+    """In a worker forked from the zygote: drop the atexit handlers the
+    zygote registered, so that those the worker registers itself run at its
+    exit (as in a spawned worker, whose own imports and code registered
+    them) and the zygote's do not run there, once per worker.  The zygote's
+    exit-time finalizers are left out at exit (see _run_own_finalizers)."""
     atexit._clear()
+
+
+def _run_own_finalizers() -> None:
+    """At a zygote worker's exit: run the weakref.finalize callbacks marked
+    to run at exit that the worker created, not the zygote's (a temporary
+    directory the zygote made would be removed by the first worker to
+    exit).  Done here rather than after the fork, where walking or replacing
+    the registry would copy pages in every worker."""
     weakref = sys.modules.get("weakref")
     finalize = getattr(weakref, "finalize", None)
     registry = getattr(finalize, "_registry", None)
-    if isinstance(registry, dict):
-        for inherited in list(registry):
-            inherited.atexit = False
-        finalize._registered_with_atexit = False  # type: ignore[union-attr]
+    if not registry:
+        return
+    for inherited in [f for f in registry if f in zygote_finalizers]:
+        registry.pop(inherited, None)
+    finalize._exitfunc()  # type: ignore[union-attr]
 
 
 def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
@@ -188,6 +201,7 @@ def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
                 atexit._run_exitfuncs()
             else:
                 if run_atexit is None:
+                    _run_own_finalizers()
                     atexit._run_exitfuncs()
                 # Launches this worker made and left unjoined: waited for
                 # (or, if daemonic, stopped) as at any interpreter exit, once
@@ -271,12 +285,14 @@ def _set_parent_process(caller: int) -> None:
     )
 
 
-def _redirect_stdio(stdio: Sequence[int]) -> None:
-    """Point fds 1 and 2 at the given fds (-1: leave as is), flushing first."""
+def _redirect_stdio(stdio: Sequence[int], flush: bool = True) -> None:
+    """Point fds 1 and 2 at the given fds (-1: leave as is), flushing first
+    (``flush``: not in a zygote worker, whose zygote flushed before forking:
+    the flush would only copy the stream's pages)."""
     for target, fd in zip((1, 2), stdio, strict=True):
         if fd >= 0 and fd != target:
             stream = sys.stdout if target == 1 else sys.stderr
-            if stream is not None:
+            if flush and stream is not None:
                 stream.flush()
             os.dup2(fd, target)
             os.close(fd)
@@ -309,8 +325,10 @@ def _match_torch_threads() -> None:
     run one thread per CPU (as torchrun's ranks, which set it, must not).
     Apply the worker's own value, as a spawned interpreter would have."""
     torch = sys.modules.get("torch")
+    if torch is None:
+        return
     wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is None or not wanted.strip().isdigit() or int(wanted) < 1:
+    if not wanted.strip().isdigit() or int(wanted) < 1:
         return
     try:
         if torch.get_num_threads() != int(wanted):
@@ -335,6 +353,7 @@ def forked_child(
     process_state: dict[str, Any] | None = None,
     from_zygote: bool = False,
     caller: int | None = None,
+    parent_process: Any = None,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
@@ -347,6 +366,9 @@ def forked_child(
     process's (see _procstate).  ``from_zygote``: forked from the zygote,
     not from the caller: the worker's own atexit handlers run at its exit.
     ``caller``: the launching process, when not ``parent``.
+    ``parent_process``: from the zygote, the caller's ``_ParentProcess``,
+    made there once for all workers: each making its own would copy the
+    pages that takes.  A zygote worker's stdin is the zygote's, /dev/null.
     """
     code, signum = 1, 0
     try:
@@ -362,10 +384,10 @@ def forked_child(
             except OSError:
                 pass
         if stdio is not None:
-            _redirect_stdio(stdio)
-        if stdin == -1:
+            _redirect_stdio(stdio, flush=not from_zygote)
+        if stdin == -1 and not from_zygote:
             quiet_stdin()
-        elif stdin is not None:
+        elif stdin is not None and stdin >= 0:
             os.dup2(stdin, 0)
             os.close(stdin)
         if process_state:
@@ -378,7 +400,12 @@ def forked_child(
             os.environ.update(rank_env)
         _match_torch_threads()
         _after_fork(rank, daemon)
-        _set_parent_process(parent if caller is None else caller)
+        if parent_process is not None:
+            from multiprocessing import process
+
+            process._parent_process = parent_process  # type: ignore[attr-defined]
+        else:
+            _set_parent_process(parent if caller is None else caller)
         if payload_error is not None:
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
         else:

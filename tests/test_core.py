@@ -397,3 +397,18 @@ def test_pymalloc_in_use(monkeypatch, abiflags, pythonmalloc, expected):
     else:
         monkeypatch.setenv("PYTHONMALLOC", pythonmalloc)
     assert _hugepages.pymalloc_in_use() is expected
+
+
+def test_same_file_tells_one_description_from_another(tmp_path):
+    path = tmp_path / "f"
+    a = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    b = os.dup(a)
+    c = os.open(path, os.O_WRONLY)
+    try:
+        if _oscall.same_file(a, b) is None:
+            pytest.skip("kcmp is not available here")
+        assert _oscall.same_file(a, b) is True
+        assert _oscall.same_file(a, c) is False
+    finally:
+        for fd in (a, b, c):
+            os.close(fd)

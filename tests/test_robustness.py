@@ -612,6 +612,28 @@ def test_the_zygotes_atexit_handlers_do_not_run_in_its_workers(tmp_path, monkeyp
     assert not marker.exists()
 
 
+def test_the_zygotes_exit_finalizers_do_not_run_in_its_workers(tmp_path, monkeypatch):
+    # A TemporaryDirectory the zygote made (at a module's import) is removed
+    # at exit by a weakref.finalize: not by the first worker to exit.
+    (tmp_path / "zygote_tempdir_probe.py").write_text(
+        textwrap.dedent(
+            f"""
+            import tempfile
+            kept = tempfile.TemporaryDirectory(dir={str(tmp_path)!r})
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ctx = fastspawn.start_processes(
+        workers.module_attribute,
+        ("zygote_tempdir_probe", "kept"),
+        nprocs=2,
+        preload=["zygote_tempdir_probe"],
+    )
+    made = ctx.return_values[0]
+    assert os.path.isdir(made)
+
+
 def test_workers_of_a_caller_without_stdin(tmp_path):
     # Started with fd 0 closed, the caller has sys.stdin None, and a Pipe it
     # makes can land on fd 0: workers must run, and a fork worker must keep

@@ -430,3 +430,10 @@ def parent_info(rank: int) -> tuple[int | None, bool]:
 
     parent = multiprocessing.parent_process()
     return (None, False) if parent is None else (parent.pid, parent.is_alive())
+
+
+def module_attribute(rank: int, module: str, name: str) -> str:
+    """str() of the name attribute of an imported module's object, or of
+    its .name when it has one (a TemporaryDirectory's path)."""
+    value = getattr(sys.modules[module], name)
+    return str(getattr(value, "name", value))
