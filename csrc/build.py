@@ -39,6 +39,7 @@ ffibuilder.cdef(
     };
     int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
     int fs_same_file(int a, int b);
+    int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
     """
 )
 ffibuilder.set_source(

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -226,4 +227,19 @@ int fs_same_file(int a, int b)
     if (r < 0)
         return -1;
     return r == 0 ? 1 : 0;
+}
+
+/* fstat(2) reduced to a yes/no: 1 if `fd` is open on the file whose device
+ * and inode numbers are `dev` and `ino`, 0 if it is open on another one or
+ * closed (EBADF).  A worker checks its report channel with it before each
+ * report: the same check from Python would build a stat result, and the
+ * pages that takes would be copied in every worker.
+ */
+int fs_fd_is(int fd, uint64_t dev, uint64_t ino)
+{
+    struct stat st;
+
+    if (fstat(fd, &st) != 0)
+        return errno == EBADF ? 0 : -1;
+    return (uint64_t)st.st_dev == dev && (uint64_t)st.st_ino == ino;
 }

@@ -216,6 +216,7 @@ def _payload_memfd(data: bytes) -> int:
 def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     started: Started = []
     parent = os.getpid()
+    channel = _worker.channel_identity(tx)
     _worker.flush_std_streams()
     try:
         for rank in range(req.nprocs):
@@ -232,6 +233,7 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
                     close_fds=[rx.fileno()],
                     stdio=req.stdio.get(rank),
                     stdin=None if req.keep_stdin else -1,
+                    channel=channel,
                 )
             started.append((pid, _oscall.pidfd_open(pid), True))
     except BaseException:

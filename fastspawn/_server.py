@@ -178,13 +178,16 @@ def _unless_same(fd: int, target: int) -> int:
     return -1
 
 
-def _rank_stdio(own: Sequence[int] | None, out: int, err: int) -> tuple[list[int], list[int]]:
+def _rank_stdio(
+    own: Sequence[int] | None, out: int, err: int
+) -> tuple[list[int] | None, list[int]]:
     """A rank's [stdout fd, stderr fd]: its own where it has one, else the
-    caller's (``out``, ``err``); and the caller's it does not use, for it to
-    close."""
+    caller's (``out``, ``err``), None when it keeps ours for both; and the
+    caller's it does not use, for it to close."""
     pair = list(own) if own is not None else [-1, -1]
     chosen = [pair[0] if pair[0] >= 0 else out, pair[1] if pair[1] >= 0 else err]
-    return chosen, [fd for fd in (out, err) if fd >= 0 and fd not in chosen]
+    unused = [fd for fd in (out, err) if fd >= 0 and fd not in chosen]
+    return (None if chosen == [-1, -1] else chosen), unused
 
 
 def _others_stdio(stdio: Mapping[int, Sequence[int]], rank: int) -> list[int]:
@@ -219,14 +222,14 @@ class _Zygote:
     def __init__(self, control: socket.socket, parent: int) -> None:
         self.control = control
         self.me = os.getpid()
-        self.caller = parent
         self.parent_fd = _oscall.pidfd_open(parent)
-        # Made once, for every worker (see _worker.forked_child):
-        # multiprocessing.parent_process(), the caller, whose pidfd the
-        # workers keep as its sentinel.
+        # multiprocessing.parent_process() is the caller, here and so in
+        # every worker (made once: each worker making its own would copy
+        # the pages that takes); its sentinel is our pidfd of the caller,
+        # which workers keep.
         from multiprocessing import process
 
-        self.parent_process = process._ParentProcess(  # type: ignore[attr-defined]
+        process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
             "MainProcess", parent, self.parent_fd
         )
         if os.getppid() != parent:
@@ -320,8 +323,8 @@ class _Zygote:
             _hugepages.collapse(self.to_collapse.pop())
 
     def own_fds(self) -> list[int]:
-        # Not parent_fd: the workers keep it (see self.parent_process); it
-        # is close-on-exec.
+        # Not parent_fd: the workers keep it (multiprocessing's
+        # parent_process() sentinel); it is close-on-exec.
         fixed = [
             self.control.fileno(),
             self.epoll.fileno(),
@@ -445,9 +448,12 @@ class _Zygote:
         daemon = bool(header["daemon"])
         process_state = header["process_state"]
         close_fds = self.own_fds()
+        channel = _worker.channel_identity(tx)
         # The exit-time finalizers the workers must leave to the zygote.
         finalize = getattr(sys.modules.get("weakref"), "finalize", None)
         _worker.zygote_finalizers = frozenset(getattr(finalize, "_registry", ()))
+        logging = sys.modules.get("logging")
+        _worker.zygote_handlers = len(getattr(logging, "_handlerList", ()))
         sys.stdout.flush()
         sys.stderr.flush()
         pids: list[int] = []
@@ -483,7 +489,7 @@ class _Zygote:
                         stdin=-1 if caller_in is None else caller_in,
                         process_state=process_state,
                         from_zygote=True,
-                        parent_process=self.parent_process,
+                        channel=channel,
                     )
                 if group:
                     try:
@@ -761,6 +767,7 @@ def main() -> None:
         if not data:
             return
         hello = pickle.loads(data)
+        _worker.capture_worker_exit_handlers()
         try:
             _worker.prepare(hello["preparation"])
         except BaseException as exc:

@@ -87,11 +87,9 @@ def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, b
     is then dropped with a line on stderr, never written into that file or
     connection.  The exit code still tells the caller how the rank ended.
     """
-    try:
-        now = os.fstat(tx.fileno())
-        same = (now.st_dev, now.st_ino) == channel
-    except (OSError, ValueError):
-        same = False
+    from fastspawn._core import lib  # loaded in the forking process already
+
+    same = lib.fs_fd_is(tx.fileno(), channel[0], channel[1]) == 1
     if not same:
         try:
             print(
@@ -105,8 +103,19 @@ def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, b
     _channel.send(tx, rank, kind, body)
 
 
+def channel_identity(tx: socket.socket) -> tuple[int, int]:
+    """(st_dev, st_ino) of a report channel: what _report checks its fd
+    still is.  Taken once per launch by the forking process."""
+    stat = os.fstat(tx.fileno())
+    return stat.st_dev, stat.st_ino
+
+
 def run(
-    rank: int, fn: Callable[..., Any], args: Sequence[Any], tx: socket.socket
+    rank: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    tx: socket.socket,
+    channel: tuple[int, int] | None = None,
 ) -> tuple[int, int]:
     """Call ``fn(rank, *args)`` and report its outcome on ``tx``.
 
@@ -114,8 +123,8 @@ def run(
     does not pass as success, as it does under torch: the worker dies by
     SIGINT after its finalizers ran, so the caller sees the signal.
     """
-    stat = os.fstat(tx.fileno())
-    channel = (stat.st_dev, stat.st_ino)
+    if channel is None:
+        channel = channel_identity(tx)
     signum = 0
     code = 0
     try:
@@ -152,17 +161,58 @@ def flush_std_streams() -> None:
 
 
 # Set in the zygote before it forks (see _server): the weakref.finalize
-# objects it holds, which its workers must not run at their exit.
+# objects it holds, which its workers must not run at their exit, and how
+# many logging handlers it has.
 zygote_finalizers: frozenset[Any] = frozenset()
+zygote_handlers = -1
 
 
-def own_exit_handlers() -> None:
-    """In a worker forked from the zygote: drop the atexit handlers the
-    zygote registered, so that those the worker registers itself run at its
-    exit (as in a spawned worker, whose own imports and code registered
-    them) and the zygote's do not run there, once per worker.  The zygote's
-    exit-time finalizers are left out at exit (see _run_own_finalizers)."""
-    atexit._clear()
+# In the zygote's workers: the atexit handlers each registered, run at its
+# exit by _finish (see capture_worker_exit_handlers).
+_worker_exit_handlers: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+_zygote_pid = 0
+
+
+def capture_worker_exit_handlers() -> None:
+    """In the zygote, before user code runs: make ``atexit.register`` (and
+    ``unregister``) called in one of its workers keep the handler for that
+    worker's exit, run by _finish, as a spawned worker runs what it
+    registered.  The zygote's own handlers stay with the zygote: a worker
+    must not run them (a temporary directory the zygote made would be
+    removed by the first worker to exit).  Routing them at registration
+    costs a worker nothing until it registers one; clearing atexit after
+    every fork would copy its pages in every worker."""
+    global _zygote_pid
+    _zygote_pid = os.getpid()
+    register, unregister = atexit.register, atexit.unregister
+
+    def worker_register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() == _zygote_pid:
+            return register(func, *args, **kwargs)
+        _worker_exit_handlers.append((func, args, kwargs))
+        return func
+
+    def worker_unregister(func: Callable[..., Any]) -> None:
+        if os.getpid() == _zygote_pid:
+            unregister(func)
+        else:
+            _worker_exit_handlers[:] = [h for h in _worker_exit_handlers if h[0] != func]
+
+    worker_register.__doc__ = register.__doc__
+    worker_unregister.__doc__ = unregister.__doc__
+    atexit.register = worker_register  # type: ignore[assignment]
+    atexit.unregister = worker_unregister
+
+
+def _run_worker_exit_handlers() -> None:
+    """What the worker registered with atexit, last first, as atexit runs
+    them; one that raises is printed and the rest still run."""
+    while _worker_exit_handlers:
+        func, args, kwargs = _worker_exit_handlers.pop()
+        try:
+            func(*args, **kwargs)
+        except BaseException:
+            print_exc()
 
 
 def _run_own_finalizers() -> None:
@@ -188,7 +238,8 @@ def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
     must never return into the code that forked it.
 
     ``run_atexit``: True for a spawned worker (all of its atexit handlers),
-    None for a zygote worker (those it registered, see own_exit_handlers,
+    None for a zygote worker (those it registered, see
+    capture_worker_exit_handlers,
     and logging's flush), False for a worker forked from the caller (none,
     as multiprocessing's fork workers)."""
     try:
@@ -202,7 +253,7 @@ def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
             else:
                 if run_atexit is None:
                     _run_own_finalizers()
-                    atexit._run_exitfuncs()
+                    _run_worker_exit_handlers()
                 # Launches this worker made and left unjoined: waited for
                 # (or, if daemonic, stopped) as at any interpreter exit, once
                 # its threads (which may be joining them) are done.  That is
@@ -212,7 +263,12 @@ def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
                     context._at_exit()
                 logging = sys.modules.get("logging")
                 if run_atexit is None and logging is not None:
-                    logging.shutdown()  # its atexit hook was the zygote's
+                    # Its atexit hook was the zygote's.  Only for handlers
+                    # the worker added: the zygote's are stream and file
+                    # handlers unless it set up others, which flush at every
+                    # record, and closing them would only copy their pages.
+                    if len(logging._handlerList) != zygote_handlers:
+                        logging.shutdown()
         except BaseException:
             print_exc()
         flush_std_streams()
@@ -353,7 +409,7 @@ def forked_child(
     process_state: dict[str, Any] | None = None,
     from_zygote: bool = False,
     caller: int | None = None,
-    parent_process: Any = None,
+    channel: tuple[int, int] | None = None,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
@@ -365,10 +421,10 @@ def forked_child(
     ``process_state``: the caller's settings that differ from this
     process's (see _procstate).  ``from_zygote``: forked from the zygote,
     not from the caller: the worker's own atexit handlers run at its exit.
-    ``caller``: the launching process, when not ``parent``.
-    ``parent_process``: from the zygote, the caller's ``_ParentProcess``,
-    made there once for all workers: each making its own would copy the
-    pages that takes.  A zygote worker's stdin is the zygote's, /dev/null.
+    ``caller``: the launching process, when not ``parent``.  A zygote
+    worker's stdin (/dev/null) and ``multiprocessing.parent_process()``
+    (the caller) are the zygote's already.  ``channel``:
+    ``channel_identity(tx)``, taken once before forking.
     """
     code, signum = 1, 0
     try:
@@ -394,23 +450,17 @@ def forked_child(
             from fastspawn import _procstate
 
             _procstate.apply(process_state)
-        if from_zygote:
-            own_exit_handlers()
         if rank_env:
             os.environ.update(rank_env)
         _match_torch_threads()
         _after_fork(rank, daemon)
-        if parent_process is not None:
-            from multiprocessing import process
-
-            process._parent_process = parent_process  # type: ignore[attr-defined]
-        else:
+        if not from_zygote:  # the zygote's is the caller already
             _set_parent_process(parent if caller is None else caller)
         if payload_error is not None:
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
         else:
             assert fn is not None
-            code, signum = run(rank, fn, args, tx)
+            code, signum = run(rank, fn, args, tx, channel)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
