@@ -24,7 +24,7 @@ from fastspawn._errors import (
     signal_name,
 )
 from fastspawn._pickling import describe_unpicklable
-from fastspawn._process import Process, running_among
+from fastspawn._process import Process, running_among, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -391,12 +391,25 @@ class ProcessContext:
         # A join running in another thread finishes first; one that blocks
         # (a daemon thread waiting on daemonic workers, say) must not hold
         # up the exit.
-        got = self._join_lock.acquire(timeout=1.0)
+        if not self._join_lock.acquire(timeout=1.0):
+            # That join (a daemon thread's, blocked on these workers) owns
+            # the pidfds and the channel: closing them here would pull them
+            # from under it (EBADF there, or worse, a number reused).  Stop
+            # daemonic workers and wait for the rest to exit, reaping and
+            # closing nothing; the process is exiting anyway.
+            try:
+                running = running_among(self.processes)
+                if self.daemon:
+                    self._signal_all(running, signal.SIGTERM)
+                for proc in running:
+                    wait_readable([proc.sentinel], None)
+            except (OSError, ValueError):
+                pass  # that join reaped and closed one meanwhile
+            return
         try:
             self._end(signal.SIGTERM if self.daemon else None)
         finally:
-            if got:
-                self._join_lock.release()
+            self._join_lock.release()
 
 
 class SpawnContext(ProcessContext):

@@ -710,3 +710,38 @@ def test_fork_worker_while_another_thread_reads_stdin(tmp_path):
         os.close(writer)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["True"]
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_method):
+    # The main thread exits while a daemon thread blocks in a join: the exit
+    # hook waits for the (non-daemonic) workers without closing the fds
+    # that join is using (it raised EBADF or ChildProcessError there).
+    script = tmp_path / "daemon_join.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, threading, time
+            import fastspawn
+
+            def work(rank):
+                time.sleep(2.0)  # outlasts the exit hook's 1 s wait for the join
+                os.write(1, f"worker {{rank}} done\\n".encode())
+
+            if __name__ == "__main__":
+                threading.Thread(
+                    target=fastspawn.start_processes,
+                    args=(work,),
+                    kwargs={{"nprocs": 2, "start_method": {start_method!r}}},
+                    daemon=True,
+                ).start()
+                time.sleep(0.3)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
