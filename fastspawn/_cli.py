@@ -446,72 +446,78 @@ def run(args: argparse.Namespace) -> int:
         # working directory (Hydra does) must still find them.
         log_dir = os.path.abspath(log_dir)
 
-    for attempt in range(args.max_restarts + 1):
-        attempt_dir = os.devnull
-        if log_dir is not None:
-            attempt_dir = os.path.join(log_dir, f"attempt_{attempt}")
+    try:
+        for attempt in range(args.max_restarts + 1):
+            attempt_dir = os.devnull
+            if log_dir is not None:
+                attempt_dir = os.path.join(log_dir, f"attempt_{attempt}")
+                try:
+                    os.mkdir(attempt_dir, 0o700)
+                except OSError as exc:  # an empty directory we may not write to
+                    _remove_created(None, log_dir, created)
+                    return _log_dir_error(args.log_dir or log_dir, exc)
+            envs = rank_envs(nprocs, nnodes, node_rank, addr, port, attempt, args.max_restarts)
+            ctx = None
+            stop_signals = None
             try:
-                os.mkdir(attempt_dir, 0o700)
-            except OSError as exc:  # an empty directory we may not write to
-                _remove_created(None, log_dir, created)
-                return _log_dir_error(args.log_dir or log_dir, exc)
-        envs = rank_envs(nprocs, nnodes, node_rank, addr, port, attempt, args.max_restarts)
-        ctx = None
-        stop_signals = None
-        try:
-            try:
-                ctx = elastic.start_processes(
-                    name=name,
-                    entrypoint=entrypoint,
-                    args={rank: tuple(argv) for rank in range(nprocs)},
-                    envs=envs,
-                    log_dir=attempt_dir,
-                    redirects=args.redirects,
-                    tee=args.tee,
-                    log_line_prefixes={
-                        rank: f"[{name}{node_rank * nprocs + rank}]:" for rank in range(nprocs)
-                    },
+                try:
+                    ctx = elastic.start_processes(
+                        name=name,
+                        entrypoint=entrypoint,
+                        args={rank: tuple(argv) for rank in range(nprocs)},
+                        envs=envs,
+                        log_dir=attempt_dir,
+                        redirects=args.redirects,
+                        tee=args.tee,
+                        log_line_prefixes={
+                            rank: f"[{name}{node_rank * nprocs + rank}]:" for rank in range(nprocs)
+                        },
+                    )
+                except BaseException:
+                    # Nothing ran: keep no empty log directories.  start_processes
+                    # removed the rank directories it made.
+                    if log_dir is not None:
+                        # rmdir stops at the first directory not empty: one that
+                        # holds an earlier attempt's logs, or the user's files.
+                        _remove_created(attempt_dir, log_dir, created)
+                    raise
+                stop_signals = _StopSignals(ctx)
+                stop_signals.install()
+                if attempt == 0 and log_dir is not None and args.log_dir is None:
+                    print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
+                result = ctx.wait()
+                assert result is not None
+                if not result.is_failed():
+                    return 0
+                local, failure = min(result.failures.items())
+                print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
+                # Inside the try: a signal while the other ranks stop is handled
+                # as one while they run.
+                ctx.close(timeout=10)
+            except elastic.SignalException as exc:
+                if ctx is None:  # start_processes stopped what it had started
+                    print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
+                else:
+                    (stop_signals or _StopSignals(ctx)).stop(exc.sigval)
+                return 128 + int(exc.sigval)
+            except OSError as exc:
+                # OSError's str() ends with the filename: name it once, up front.
+                what = program if exc.filename is None else exc.filename
+                why = exc.strerror if exc.filename is not None and exc.strerror else str(exc)
+                print(f"fastspawn run: cannot start {what!r}: {why}", file=sys.stderr)
+                return 127 if isinstance(exc, FileNotFoundError) else 126
+            if attempt < args.max_restarts:
+                print(
+                    f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",
+                    file=sys.stderr,
                 )
-            except BaseException:
-                # Nothing ran: keep no empty log directories.  start_processes
-                # removed the rank directories it made.
-                if log_dir is not None:
-                    # rmdir stops at the first directory not empty: one that
-                    # holds an earlier attempt's logs, or the user's files.
-                    _remove_created(attempt_dir, log_dir, created)
-                raise
-            stop_signals = _StopSignals(ctx)
-            stop_signals.install()
-            if attempt == 0 and log_dir is not None and args.log_dir is None:
-                print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
-            result = ctx.wait()
-            assert result is not None
-            if not result.is_failed():
-                return 0
-            local, failure = min(result.failures.items())
-            print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
-            # Inside the try: a signal while the other ranks stop is handled
-            # as one while they run.
-            ctx.close(timeout=10)
-        except elastic.SignalException as exc:
-            if ctx is None:  # start_processes stopped what it had started
-                print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
-            else:
-                (stop_signals or _StopSignals(ctx)).stop(exc.sigval)
-            return 128 + int(exc.sigval)
-        except OSError as exc:
-            # OSError's str() ends with the filename: name it once, up front.
-            what = program if exc.filename is None else exc.filename
-            why = exc.strerror if exc.filename is not None and exc.strerror else str(exc)
-            print(f"fastspawn run: cannot start {what!r}: {why}", file=sys.stderr)
-            return 127 if isinstance(exc, FileNotFoundError) else 126
-        if attempt < args.max_restarts:
-            print(
-                f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",
-                file=sys.stderr,
-            )
-            continue
-        return exit_code(failure.exitcode)
+                continue
+            return exit_code(failure.exitcode)
+    except elastic.SignalException as exc:
+        # Between two attempts (the last one's ranks closed, the next not
+        # started yet): nothing runs, so just stop.
+        print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 1  # pragma: no cover - the loop always returns
 
 

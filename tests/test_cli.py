@@ -520,3 +520,22 @@ def test_second_signal_kills_every_rank_at_once(tmp_path, second, at_once):
     while not all(gone(pid) for pid in pids):
         assert time.monotonic() < deadline, "ranks or their children survived"
         time.sleep(0.05)
+
+
+def test_signal_between_two_attempts_stops_cleanly(monkeypatch, capsys):
+    # The signal lands after the failed attempt's ranks were closed and
+    # before the next attempt starts (stood in for by rank_envs raising what
+    # the handler would): exit 128+signal with a line, not a traceback.
+    real = _cli.rank_envs
+    calls = []
+
+    def envs_then_signal(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise elastic.SignalException("got signal", sigval=signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_cli, "rank_envs", envs_then_signal)
+    code = _cli.main(["run", "--nprocs-per-node", "1", "--max-restarts", "1", "/bin/false"])
+    assert code == 128 + signal.SIGTERM
+    assert "got SIGTERM, stopping" in capsys.readouterr().err
