@@ -408,7 +408,6 @@ def forked_child(
     stdin: int | None = -1,
     process_state: dict[str, Any] | None = None,
     from_zygote: bool = False,
-    caller: int | None = None,
     channel: tuple[int, int] | None = None,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
@@ -421,9 +420,9 @@ def forked_child(
     ``process_state``: the caller's settings that differ from this
     process's (see _procstate).  ``from_zygote``: forked from the zygote,
     not from the caller: the worker's own atexit handlers run at its exit.
-    ``caller``: the launching process, when not ``parent``.  A zygote
-    worker's stdin (/dev/null) and ``multiprocessing.parent_process()``
-    (the caller) are the zygote's already.  ``channel``:
+    A zygote worker's stdin (/dev/null) and
+    ``multiprocessing.parent_process()`` (the caller) are the zygote's
+    already.  ``channel``:
     ``channel_identity(tx)``, taken once before forking.
     """
     code, signum = 1, 0
@@ -455,7 +454,7 @@ def forked_child(
         _match_torch_threads()
         _after_fork(rank, daemon)
         if not from_zygote:  # the zygote's is the caller already
-            _set_parent_process(parent if caller is None else caller)
+            _set_parent_process(parent)
         if payload_error is not None:
             _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
         else:
