@@ -160,10 +160,12 @@ def flush_std_streams() -> None:
             pass
 
 
-# Set in the zygote before it forks (see _server): the weakref.finalize
-# objects it holds, which its workers must not run at their exit, and how
-# many logging handlers it has.
+# Set in the zygote before it forks (see _server): the index of the next
+# weakref.finalize to be made (those below it are the zygote's, which its
+# workers must not run at their exit; the objects themselves only where
+# the index cannot be read), and how many logging handlers it has.
 zygote_finalizers: frozenset[Any] = frozenset()
+zygote_finalizer_index: int | None = None
 zygote_handlers = -1
 
 
@@ -215,20 +217,41 @@ def _run_worker_exit_handlers() -> None:
             print_exc()
 
 
+def next_finalizer_index(finalize: Any) -> int | None:
+    """The index weakref.finalize gives the next finalizer made (they are
+    numbered in order), read without taking it; None if not readable."""
+    text = repr(getattr(finalize, "_index_iter", None))
+    if text.startswith("count(") and text.endswith(")"):
+        try:
+            return int(text[6:-1])
+        except ValueError:
+            pass
+    return None
+
+
 def _run_own_finalizers() -> None:
     """At a zygote worker's exit: run the weakref.finalize callbacks marked
-    to run at exit that the worker created, not the zygote's (a temporary
+    to run at exit that the worker created, latest first, as
+    ``finalize._exitfunc`` does, and none of the zygote's (a temporary
     directory the zygote made would be removed by the first worker to
-    exit).  Done here rather than after the fork, where walking or replacing
-    the registry would copy pages in every worker."""
+    exit).  A worker that made none, the usual case, touches nothing: the
+    zygote may hold many (torch: 134), and walking them in every worker
+    would copy the pages they sit on."""
     weakref = sys.modules.get("weakref")
     finalize = getattr(weakref, "finalize", None)
     registry = getattr(finalize, "_registry", None)
     if not registry:
         return
-    for inherited in [f for f in registry if f in zygote_finalizers]:
-        registry.pop(inherited, None)
-    finalize._exitfunc()  # type: ignore[union-attr]
+    first_own = zygote_finalizer_index
+    if first_own is not None:
+        if next_finalizer_index(finalize) == first_own:
+            return  # the worker made none
+        own = [(info.index, f) for f, info in list(registry.items()) if info.index >= first_own]
+    else:
+        own = [(info.index, f) for f, info in list(registry.items()) if f not in zygote_finalizers]
+    for _index, made_here in sorted(own, key=lambda pair: pair[0], reverse=True):
+        if made_here.atexit:
+            made_here()
 
 
 def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
