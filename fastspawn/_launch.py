@@ -217,6 +217,7 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
     started: Started = []
     parent = os.getpid()
     channel = _worker.channel_identity(tx)
+    match_threads = _worker.torch_threads_to_match(req.envs)
     _worker.flush_std_streams()
     try:
         for rank in range(req.nprocs):
@@ -234,6 +235,7 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
                     stdio=req.stdio.get(rank),
                     stdin=None if req.keep_stdin else -1,
                     channel=channel,
+                    match_torch_threads=match_threads,
                 )
             started.append((pid, _oscall.pidfd_open(pid), True))
     except BaseException:

@@ -449,6 +449,7 @@ class _Zygote:
         process_state = header["process_state"]
         close_fds = self.own_fds()
         channel = _worker.channel_identity(tx)
+        match_threads = _worker.torch_threads_to_match(envs)
         # The exit-time finalizers the workers must leave to the zygote.
         finalize = getattr(sys.modules.get("weakref"), "finalize", None)
         _worker.zygote_finalizer_index = _worker.next_finalizer_index(finalize)
@@ -495,6 +496,7 @@ class _Zygote:
                         process_state=process_state,
                         from_zygote=True,
                         channel=channel,
+                        match_torch_threads=match_threads,
                     )
                 if group:
                     try:

@@ -397,6 +397,15 @@ def reseed() -> None:
             pass
 
 
+def torch_threads_to_match(envs: Mapping[int, Mapping[str, str]]) -> bool:
+    """Whether workers of a launch may need _match_torch_threads: torch is
+    loaded here and OMP_NUM_THREADS is set for them (in this process's
+    environment, which they inherit, or in a rank's own)."""
+    if "torch" not in sys.modules:
+        return False
+    return "OMP_NUM_THREADS" in os.environ or any("OMP_NUM_THREADS" in e for e in envs.values())
+
+
 def _match_torch_threads() -> None:
     """torch sizes its CPU thread pool from OMP_NUM_THREADS when it is
     imported; in a forked worker that was in the zygote (or the caller), with
@@ -432,6 +441,7 @@ def forked_child(
     process_state: dict[str, Any] | None = None,
     from_zygote: bool = False,
     channel: tuple[int, int] | None = None,
+    match_torch_threads: bool = False,
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
@@ -447,6 +457,9 @@ def forked_child(
     ``multiprocessing.parent_process()`` (the caller) are the zygote's
     already.  ``channel``:
     ``channel_identity(tx)``, taken once before forking.
+    ``match_torch_threads``: from ``torch_threads_to_match``, decided once
+    before forking (reading the environment in every worker, a KeyError
+    and all, cost 150 us a worker with torch loaded).
     """
     code, signum = 1, 0
     try:
@@ -474,7 +487,8 @@ def forked_child(
             _procstate.apply(process_state)
         if rank_env:
             os.environ.update(rank_env)
-        _match_torch_threads()
+        if match_torch_threads:
+            _match_torch_threads()
         _after_fork(rank, daemon)
         if not from_zygote:  # the zygote's is the caller already
             _set_parent_process(parent)
