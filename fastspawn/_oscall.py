@@ -70,6 +70,12 @@ def same_file(a: int, b: int) -> bool | None:
     return None if r < 0 else bool(r)
 
 
+def fd_is(fd: int, dev: int, ino: int) -> bool:
+    """Whether ``fd`` is open on the file with these device and inode
+    numbers (False once closed); an fstat that builds no Python object."""
+    return bool(lib.fs_fd_is(fd, dev, ino) == 1)
+
+
 def pidfd_send_signal(pidfd: int, sig: int) -> None:
     """Signal the process behind ``pidfd``.  ProcessLookupError once it exited."""
     if lib.fs_pidfd_send_signal(pidfd, sig) != 0:

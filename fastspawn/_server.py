@@ -453,11 +453,6 @@ class _Zygote:
         # The exit-time finalizers the workers must leave to the zygote.
         finalize = getattr(sys.modules.get("weakref"), "finalize", None)
         _worker.zygote_finalizer_index = _worker.next_finalizer_index(finalize)
-        _worker.zygote_finalizers = (
-            frozenset()
-            if _worker.zygote_finalizer_index is not None
-            else frozenset(getattr(finalize, "_registry", ()))
-        )
         logging = sys.modules.get("logging")
         _worker.zygote_handlers = len(getattr(logging, "_handlerList", ()))
         sys.stdout.flush()

@@ -25,7 +25,7 @@ from fastspawn import _channel, _pickling
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
-    from typing import Any, NoReturn
+    from typing import Any, Literal, NoReturn
 
 
 def format_exc() -> str:
@@ -87,10 +87,9 @@ def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, b
     is then dropped with a line on stderr, never written into that file or
     connection.  The exit code still tells the caller how the rank ended.
     """
-    from fastspawn._core import lib  # loaded in the forking process already
+    from fastspawn import _oscall  # loaded in the forking process already
 
-    same = lib.fs_fd_is(tx.fileno(), channel[0], channel[1]) == 1
-    if not same:
+    if not _oscall.fd_is(tx.fileno(), *channel):
         try:
             print(
                 f"fastspawn: rank {rank} cannot report to its launcher: the worker closed "
@@ -162,9 +161,7 @@ def flush_std_streams() -> None:
 
 # Set in the zygote before it forks (see _server): the index of the next
 # weakref.finalize to be made (those below it are the zygote's, which its
-# workers must not run at their exit; the objects themselves only where
-# the index cannot be read), and how many logging handlers it has.
-zygote_finalizers: frozenset[Any] = frozenset()
+# workers must not run at their exit), and how many logging handlers it has.
 zygote_finalizer_index: int | None = None
 zygote_handlers = -1
 
@@ -243,38 +240,34 @@ def _run_own_finalizers() -> None:
     if not registry:
         return
     first_own = zygote_finalizer_index
-    if first_own is not None:
-        if next_finalizer_index(finalize) == first_own:
-            return  # the worker made none
-        own = [(info.index, f) for f, info in list(registry.items()) if info.index >= first_own]
-    else:
-        own = [(info.index, f) for f, info in list(registry.items()) if f not in zygote_finalizers]
+    if first_own is None or next_finalizer_index(finalize) == first_own:
+        return  # the worker made none (or, unreadable, none is known to be its)
+    own = [(info.index, f) for f, info in list(registry.items()) if info.index >= first_own]
     for _index, made_here in sorted(own, key=lambda pair: pair[0], reverse=True):
         if made_here.atexit:
             made_here()
 
 
-def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
+def _finish(code: int, signum: int, exit_handlers: Literal["all", "own", "none"]) -> NoReturn:
     """Run what multiprocessing runs at a worker's end, then exit with
     ``code`` (0..255), or die by ``signum`` when it is not 0.  Nothing
     raised on the way (a SIGINT, a failing handler) stops the exit: a worker
     must never return into the code that forked it.
 
-    ``run_atexit``: True for a spawned worker (all of its atexit handlers),
-    None for a zygote worker (those it registered, see
-    capture_worker_exit_handlers,
-    and logging's flush), False for a worker forked from the caller (none,
-    as multiprocessing's fork workers)."""
+    ``exit_handlers``: ``"all"`` for a spawned worker (every atexit
+    handler), ``"own"`` for a zygote worker (those it registered, see
+    capture_worker_exit_handlers, then logging's flush), ``"none"`` for a
+    worker forked from the caller, as multiprocessing's fork workers."""
     try:
         try:
             from multiprocessing import util
 
             util._exit_function()  # type: ignore[attr-defined]
             threading._shutdown()  # type: ignore[attr-defined]
-            if run_atexit:
+            if exit_handlers == "all":
                 atexit._run_exitfuncs()
             else:
-                if run_atexit is None:
+                if exit_handlers == "own":
                     _run_own_finalizers()
                     _run_worker_exit_handlers()
                 # Launches this worker made and left unjoined: waited for
@@ -285,13 +278,16 @@ def _finish(code: int, signum: int, run_atexit: bool | None) -> NoReturn:
                 if context is not None:
                     context._at_exit()
                 logging = sys.modules.get("logging")
-                if run_atexit is None and logging is not None:
-                    # Its atexit hook was the zygote's.  Only for handlers
-                    # the worker added: the zygote's are stream and file
-                    # handlers unless it set up others, which flush at every
-                    # record, and closing them would only copy their pages.
-                    if len(logging._handlerList) != zygote_handlers:
-                        logging.shutdown()
+                # Its atexit hook was the zygote's.  Only for handlers the
+                # worker added: the zygote's are stream and file handlers
+                # unless it set up others, which flush at every record, and
+                # closing them would only copy their pages.
+                if (
+                    exit_handlers == "own"
+                    and logging is not None
+                    and len(logging._handlerList) != zygote_handlers
+                ):
+                    logging.shutdown()
         except BaseException:
             print_exc()
         flush_std_streams()
@@ -502,7 +498,7 @@ def forked_child(
     except BaseException:
         print_exc()
     finally:
-        _finish(code, signum, run_atexit=None if from_zygote else False)
+        _finish(code, signum, "own" if from_zygote else "none")
 
 
 def preparation_data(name: str) -> dict[str, Any]:
@@ -596,4 +592,4 @@ def spawn_main() -> NoReturn:
     except BaseException:
         print_exc()
     finally:
-        _finish(code, signum, run_atexit=True)
+        _finish(code, signum, "all")

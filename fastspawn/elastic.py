@@ -385,18 +385,7 @@ class DefaultLogsSpecs(LogsSpecs):
             rank_dir = os.path.join(attempt, str(rank))
             os.mkdir(rank_dir, 0o700)
             shown = self._local_ranks_filter is None or rank in self._local_ranks_filter
-            for std, name, files, tee_files in (
-                (Std.OUT, "stdout.log", dest.stdouts, dest.tee_stdouts),
-                (Std.ERR, "stderr.log", dest.stderrs, dest.tee_stderrs),
-            ):
-                if (redirects[rank] | tees[rank]) & std:
-                    files[rank] = os.path.join(rank_dir, name)
-                    if tees[rank] & std and shown:
-                        tee_files[rank] = files[rank]
-                else:
-                    files[rank] = "" if shown else os.devnull
-            dest.error_files[rank] = os.path.join(rank_dir, "error.json")
-            envs[rank][ERROR_FILE_ENV] = dest.error_files[rank]
+            _rank_files(dest, rank, rank_dir, redirects[rank], tees[rank], envs, shown)
         return dest
 
     def __repr__(self) -> str:
@@ -884,18 +873,35 @@ def _rank_dirs(
         rank_dir = os.path.join(log_dir, str(rank))
         os.mkdir(rank_dir, 0o700)
         created.append(rank_dir)
-        for std, name, files, tee_files in (
-            (Std.OUT, "stdout.log", dest.stdouts, dest.tee_stdouts),
-            (Std.ERR, "stderr.log", dest.stderrs, dest.tee_stderrs),
-        ):
-            files[rank] = (
-                os.path.join(rank_dir, name) if (redirects[rank] | tees[rank]) & std else ""
-            )
-            if tees[rank] & std:
-                tee_files[rank] = files[rank]
-        dest.error_files[rank] = os.path.join(rank_dir, "error.json")
-        envs[rank][ERROR_FILE_ENV] = dest.error_files[rank]
+        _rank_files(dest, rank, rank_dir, redirects[rank], tees[rank], envs)
     return dest
+
+
+def _rank_files(
+    dest: LogsDest,
+    rank: int,
+    rank_dir: str,
+    redirect: Std,
+    tee: Std,
+    envs: dict[int, dict[str, str]],
+    shown: bool = True,
+) -> None:
+    """Fill in ``dest`` for one rank whose files go in ``rank_dir``: a log
+    file for each stream redirected or tee'd, tee'd ones also on the console
+    when the rank is ``shown``; a stream neither goes to the console, or
+    nowhere when the rank is not shown.  Its error file, also in ``envs``."""
+    for std, name, files, tee_files in (
+        (Std.OUT, "stdout.log", dest.stdouts, dest.tee_stdouts),
+        (Std.ERR, "stderr.log", dest.stderrs, dest.tee_stderrs),
+    ):
+        if (redirect | tee) & std:
+            files[rank] = os.path.join(rank_dir, name)
+            if tee & std and shown:
+                tee_files[rank] = files[rank]
+        else:
+            files[rank] = "" if shown else os.devnull
+    dest.error_files[rank] = os.path.join(rank_dir, "error.json")
+    envs[rank][ERROR_FILE_ENV] = dest.error_files[rank]
 
 
 def _tee_flags(

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -30,3 +34,18 @@ def alive_after(pids: list[int], seconds: float = 1.0) -> list[int]:
     behaviour under test: a kill must land that fast)."""
     time.sleep(seconds)
     return [pid for pid in pids if not gone(pid)]
+
+
+def run_script(
+    path: Path, code: str, command: list[str] | None = None, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """Write ``code`` (dedented) to ``path`` and run it with this Python
+    (or ``command``), output captured as text, within 120 s."""
+    path.write_text(textwrap.dedent(code))
+    return subprocess.run(
+        command or [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )

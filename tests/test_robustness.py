@@ -14,7 +14,7 @@ import time
 
 import pytest
 import workers
-from helpers import alive_after, gone
+from helpers import alive_after, gone, run_script
 
 import fastspawn
 from fastspawn import _context, _launch, elastic
@@ -221,7 +221,6 @@ def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
         print("left:", len(left))
         """
     )
-    import subprocess
 
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, *sys.path]))
@@ -312,7 +311,6 @@ def test_a_handled_signal_does_not_stop_later_contexts(tmp_path):
                 os.devnull)
         """
     )
-    import subprocess
 
     script = tmp_path / "driver.py"
     script.write_text(code)
@@ -547,9 +545,9 @@ def test_signal_handlers_the_main_module_sets_reach_workers_not_the_zygote(tmp_p
     # handler and ignores SIGCHLD. Workers must get the handler, as spawned
     # ones do, and the zygote must keep reaping and reporting its workers.
     script = tmp_path / "handlers.py"
-    script.write_text(
-        textwrap.dedent(
-            """
+    done = run_script(
+        script,
+        """
             import signal, sys, time
             import fastspawn
 
@@ -569,11 +567,7 @@ def test_signal_handlers_the_main_module_sets_reach_workers_not_the_zygote(tmp_p
                 print(sorted(ctx.return_values.values()))
                 ctx = fastspawn.start_processes(report, nprocs=2, start_method="zygote")
                 print(sorted(ctx.return_values.values()))
-            """
-        )
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+            """,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["['on_term', 'on_term']"] * 2
@@ -639,9 +633,9 @@ def test_workers_of_a_caller_without_stdin(tmp_path):
     # makes can land on fd 0: workers must run, and a fork worker must keep
     # that Pipe end, not get /dev/null in its place.
     script = tmp_path / "nostdin.py"
-    script.write_text(
-        textwrap.dedent(
-            """
+    done = run_script(
+        script,
+        """
             import multiprocessing, sys
             import fastspawn
 
@@ -660,14 +654,8 @@ def test_workers_of_a_caller_without_stdin(tmp_path):
                 print("pipe on fd", theirs.fileno())
                 fastspawn.start_processes(send, (theirs,), nprocs=1, start_method="fork")
                 print("got", ours.recv())
-            """
-        )
-    )
-    done = subprocess.run(
-        ["/bin/sh", "-c", f'exec "{sys.executable}" "{script}" <&-'],
-        capture_output=True,
-        text=True,
-        timeout=120,
+            """,
+        command=["/bin/sh", "-c", f'exec "{sys.executable}" "{script}" <&-'],
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
@@ -683,27 +671,24 @@ def test_fork_worker_while_another_thread_reads_stdin(tmp_path):
     # The reading thread holds sys.stdin's lock at the fork; the worker must
     # not wait for it (closing the inherited sys.stdin would, for ever).
     script = tmp_path / "reader.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import sys, threading, time
-            import fastspawn
-
-            def work(rank):
-                return rank
-
-            if __name__ == "__main__":
-                threading.Thread(target=sys.stdin.readline, daemon=True).start()
-                time.sleep(0.2)
-                ctx = fastspawn.start_processes(work, nprocs=1, start_method="fork", join=False)
-                print(ctx.join(timeout=30))
-            """
-        )
-    )
     reader, writer = os.pipe()
     try:
-        done = subprocess.run(
-            [sys.executable, str(script)], stdin=reader, capture_output=True, text=True, timeout=120
+        done = run_script(
+            script,
+            """
+                import sys, threading, time
+                import fastspawn
+
+                def work(rank):
+                    return rank
+
+                if __name__ == "__main__":
+                    threading.Thread(target=sys.stdin.readline, daemon=True).start()
+                    time.sleep(0.2)
+                    ctx = fastspawn.start_processes(work, nprocs=1, start_method="fork", join=False)
+                    print(ctx.join(timeout=30))
+                """,
+            stdin=reader,
         )
     finally:
         os.close(reader)
@@ -718,9 +703,9 @@ def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_m
     # hook waits for the (non-daemonic) workers without closing the fds
     # that join is using (it raised EBADF or ChildProcessError there).
     script = tmp_path / "daemon_join.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
+    done = run_script(
+        script,
+        f"""
             import os, threading, time
             import fastspawn
 
@@ -736,11 +721,7 @@ def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_m
                     daemon=True,
                 ).start()
                 time.sleep(0.3)
-            """
-        )
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+            """,
     )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import workers
-from helpers import alive_after, gone, kill_driver
+from helpers import alive_after, gone, kill_driver, run_script
 
 import fastspawn
 from fastspawn import _hugepages, _launch, _server
@@ -241,9 +241,9 @@ def test_main_module_that_exits_at_import_exits_every_rank_so(tmp_path):
     # imports the script: each rank exits 2, as a spawned one would, and the
     # zygote stays up for the caller's next launch.
     script = tmp_path / "exits.py"
-    script.write_text(
-        textwrap.dedent(
-            """
+    done = run_script(
+        script,
+        """
             import sys
             import fastspawn
 
@@ -259,11 +259,8 @@ def test_main_module_that_exits_at_import_exits_every_rank_so(tmp_path):
                         fastspawn.start_processes(work, nprocs=2)
                     except fastspawn.ProcessExitedException as exc:
                         print(exc)
-            """
-        )
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+            """,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
