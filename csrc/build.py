@@ -36,8 +36,11 @@ ffibuilder.cdef(
         int pdeathsig;
         int new_session;
         int new_process_group;
+        int process_group;
     };
     int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+    int fs_group_anchor(void);
+    int fs_group_anchor_release(pid_t anchor);
     int fs_same_file(int a, int b);
     int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
     """

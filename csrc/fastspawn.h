@@ -47,8 +47,11 @@ struct fs_launch_spec {
     int pdeathsig;             /* 0: none */
     int new_session;           /* non-zero: setsid() in the child */
     int new_process_group;     /* non-zero: setpgid(0, 0) in the child */
+    int process_group;         /* > 0: setpgid(0, it) in the child */
 };
 int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+int fs_group_anchor(void);
+int fs_group_anchor_release(pid_t anchor);
 int fs_same_file(int a, int b);
 int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
 

@@ -29,6 +29,7 @@ UNPICKLABLE = 3  # body: why the return value could not be pickled, UTF-8
 EXIT = 4  # body: int32 (rank, exit status) pairs (server)
 PIDS = 5  # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
 LAUNCH_FAILED = 6  # body: the server's traceback, UTF-8 (rank -1)
+GROUP = 7  # body: int32 id of the launch's process group (server, rank -1)
 
 MAX_FDS = 250  # SCM_MAX_FD is 253 per message
 
@@ -91,6 +92,7 @@ class Reports:
         self.unpicklable: dict[int, str] = {}
         self.exits: dict[int, int] = {}
         self.pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd)
+        self.group = 0  # the workers' process group (zygote launches), 0: none
         self.launch_failed: str | None = None
         self.eof = False
         self._partial: dict[tuple[int, int], list[bytes]] = {}
@@ -154,6 +156,9 @@ class Receiver:
             return True
         for fd in fds:  # no other kind carries fds
             os.close(fd)
+        if kind == GROUP:
+            r.group = unpack_statuses(body)[0]
+            return True
         if kind == EXIT:
             pairs = unpack_statuses(body)
             for i in range(0, len(pairs) - 1, 2):

@@ -25,6 +25,7 @@ from fastspawn import _channel, _oscall, _pickling, _worker
 from fastspawn._channel import Receiver
 from fastspawn._process import wait_readable
 from fastspawn._server import ServerClient
+from fastspawn._warden import Warden
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class LaunchRequest:
         # (binary ranks) the caller's stdin instead.
         self.keep_stdin = keep_stdin
         # zygote: put the launch's workers in a process group of their own
-        # (binary ranks call setsid() instead, which a group leader cannot).
+        # (binary ranks lead a session each instead).
         self.process_group = process_group
         # Set by the zygote launch: the process group of the workers (0: none).
         self.group = 0
@@ -148,7 +149,7 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def _reset_after_fork() -> None:
-    global _thread, _server, _jobs_ready, _thread_lock, _server_lock
+    global _thread, _server, _jobs_ready, _thread_lock, _server_lock, _warden, _warden_lock
     _thread = None  # the launcher thread does not exist in a forked child
     if _server is not None:
         # Nor is the zygote ours.  Its control socket must not stay open
@@ -156,6 +157,10 @@ def _reset_after_fork() -> None:
         # (a "fork" worker, say) holding a copy would delay until it exits.
         _server.forget_in_child()
     _server = None
+    if _warden is not None:
+        _warden.forget_in_child()  # it watches the parent, not us
+    _warden = None
+    _warden_lock = threading.Lock()
     # ...and it may have held these at the fork: fresh ones, no old jobs.
     _jobs.clear()
     _jobs_ready = threading.Condition()
@@ -213,16 +218,47 @@ def _payload_memfd(data: bytes) -> int:
 # ------------------------------------------------------------------- methods
 
 
+def _new_group(req: LaunchRequest) -> int:
+    """A process group for a fork or spawn launch, named to the warden: its
+    anchor is to be released once the ranks have joined."""
+    group = _oscall.group_anchor()
+    try:
+        watch_group(group)
+    except BaseException:
+        _oscall.release_group_anchor(group)
+        raise
+    req.group = group
+    req.watched_groups = [group]
+    return group
+
+
+def _end_group(req: LaunchRequest, started: Started) -> None:
+    """A launch failed half-way: kill and reap what started, drop its group."""
+    try:
+        kill_started(started)
+    finally:
+        forget_groups(req.watched_groups)
+        req.group = 0
+        req.watched_groups = []
+
+
 def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
     started: Started = []
     parent = os.getpid()
     channel = _worker.channel_identity(tx)
     match_threads = _worker.torch_threads_to_match(req.envs)
     _worker.flush_std_streams()
+    group = _new_group(req)
     try:
         for rank in range(req.nprocs):
             pid = os.fork()
             if pid == 0:
+                # Set in both processes, as shells do, so that neither order
+                # of running leaves a gap.
+                try:
+                    os.setpgid(0, group)
+                except OSError:
+                    pass  # the parent did; or the caller's stranger reaped the anchor
                 _worker.forked_child(
                     rank,
                     parent,
@@ -237,10 +273,16 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started
                     channel=channel,
                     match_torch_threads=match_threads,
                 )
+            try:
+                os.setpgid(pid, group)
+            except (PermissionError, ProcessLookupError):
+                pass  # it did already, and may have moved on
             started.append((pid, _oscall.pidfd_open(pid), True))
     except BaseException:
-        kill_started(started)
+        _end_group(req, started)
         raise
+    finally:
+        _oscall.release_group_anchor(group)
     return started
 
 
@@ -262,6 +304,11 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
     started: Started = []
     _worker.flush_std_streams()
     try:
+        group = _new_group(req)
+    except BaseException:
+        os.close(payload_fd)
+        raise
+    try:
         for rank in range(req.nprocs):
             env = {**base_env, **req.envs.get(rank, {})}
             out, err = req.stdio.get(rank, (-1, -1))
@@ -273,18 +320,36 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
                 stderr=err,
                 keep_fds=keep,
                 pdeathsig=signal.SIGKILL,
+                process_group=group,
             )
             started.append((pid, pidfd, True))
     except BaseException:
-        kill_started(started)
+        _end_group(req, started)
         raise
     finally:
         os.close(payload_fd)
+        _oscall.release_group_anchor(group)
     return started
 
 
 _server: ServerClient | None = None
 _server_lock = threading.Lock()
+_warden: Warden | None = None
+_warden_lock = threading.Lock()
+
+
+def watch_group(group: int) -> None:
+    """Name a fork or spawn launch's process group to the warden, started
+    on first use (or again, should it have died)."""
+    global _warden
+    with _warden_lock:
+        if _warden is None:
+            _warden = Warden()
+        try:
+            _warden.watch(group)
+        except OSError:
+            _warden = _warden.replace()
+            _warden.watch(group)
 
 
 def env_preload() -> list[str]:
@@ -457,15 +522,18 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
     watched_ranks: set[int] = set()
 
     def watch_new_groups() -> None:
-        # As the pids arrive, not once all have: should the zygote die in
+        # As they arrive, not once every pid has: should the zygote die in
         # the middle of the launch, the children of the ranks up already
-        # must go too.  Rank 0 leads the launch's group; a binary rank leads
-        # a session of its own (a pid that never became a group: no harm).
-        leaders = [0] if req.process_group else reports.pids
-        new = [r for r in leaders if r in reports.pids and r not in watched_ranks]
-        if new:
+        # must go too.  The zygote names the launch's group; a binary rank
+        # leads a session of its own (a pid that never became a group: no
+        # harm).
+        if req.process_group:
+            groups = [reports.group] if reports.group and not req.watched_groups else []
+        else:
+            new = [r for r in reports.pids if r not in watched_ranks]
             watched_ranks.update(new)
             groups = [reports.pids[r][0] for r in new]
+        if groups:
             req.watched_groups += groups
             with server.lock:
                 server.groups.update(groups)
@@ -496,8 +564,8 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
             "guard is a common cause)"
         )
         raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
-    if req.process_group and started:
-        req.group = started[0][0]
+    if req.process_group:
+        req.group = reports.group
     return started
 
 
@@ -527,6 +595,9 @@ def forget_groups(groups: Sequence[int]) -> None:
     if server is not None and groups:
         with server.lock:
             server.groups.difference_update(groups)
+    warden = _warden
+    if warden is not None and groups:
+        warden.forget(groups)
 
 
 def helper_processes() -> tuple[set[int], set[int]]:
@@ -537,3 +608,11 @@ def helper_processes() -> tuple[set[int], set[int]]:
         return set(), set()
     fds = {server.control.fileno(), server.pidfd} - {-1}
     return {server.pid}, fds
+
+
+def warden_process() -> tuple[set[int], set[int]]:
+    """(pids, fds) of this process's warden, as helper_processes()."""
+    warden = _warden
+    if warden is None or warden.owner != os.getpid():
+        return set(), set()
+    return {warden.pid}, {warden.control.fileno(), warden.pidfd} - {-1}

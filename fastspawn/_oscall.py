@@ -63,6 +63,24 @@ def pidfd_open(pid: int) -> int:
     return int(fd)
 
 
+def group_anchor() -> int:
+    """Make a new process group whose leader has already exited; return its
+    id.  The leader stays a zombie (holding the group and its id) until
+    :func:`release_group_anchor`, to be called once the group's members have
+    joined it (``os.setpgid(pid, group)``): no member leads the group, so
+    each may still call ``setsid()``."""
+    pid = lib.fs_group_anchor()
+    if pid < 0:
+        _raise_errno("fs_group_anchor")
+    return int(pid)
+
+
+def release_group_anchor(group: int) -> None:
+    """Reap the anchor of ``group`` (a child no wait for any child sees)."""
+    if lib.fs_group_anchor_release(group) != 0:
+        _raise_errno("waitpid(__WALL)")
+
+
 def same_file(a: int, b: int) -> bool | None:
     """Whether fds ``a`` and ``b`` share one open file description (kcmp);
     None where the kernel will not say (no kcmp, or a policy refusing it)."""
@@ -218,6 +236,7 @@ def launch(
     pdeathsig: int = 0,
     new_session: bool = False,
     new_process_group: bool = False,
+    process_group: int = 0,
 ) -> tuple[int, int]:
     """Start a binary without copying the caller's memory (clone + exec).
 
@@ -249,6 +268,7 @@ def launch(
             "pdeathsig": pdeathsig,
             "new_session": 1 if new_session else 0,
             "new_process_group": 1 if new_process_group else 0,
+            "process_group": process_group,
         },
     )
     pidfd = ffi.new("int *")

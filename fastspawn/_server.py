@@ -18,8 +18,9 @@ Orphan safety, as a chain with no gaps:
   zygote, re-checked after prctl;
 - the zygote is a child subreaper: a worker's orphaned children are
   reparented to it, and it kills them;
-- the workers of a launch share a process group led by rank 0, and so do
-  their children: the caller stops a launch with one killpg, and if the
+- the workers of a launch share a process group of their own (its leader,
+  an anchor process, exits at once: no rank leads it, so each may still
+  call setsid()), and so do their children: the caller stops a launch with one killpg, and if the
   zygote itself is killed, the caller kills every live launch's group (and
   the zygote's own, whose id cannot be recycled while the zygote is its
   unreaped child).
@@ -463,17 +464,22 @@ class _Zygote:
         # zygote shutting down, and exit 0).  Block them across the fork; the
         # worker unblocks once its own dispositions are in place.
         signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
+        group = 0
         try:
-            group = bool(header["process_group"])
-            leader = 0
+            # The launch's process group is led by an anchor that exits at
+            # once (its zombie holds the group until every rank has joined),
+            # so no rank leads it and each may still setsid(), as a spawned
+            # worker can.
+            group = _oscall.group_anchor() if header["process_group"] else 0
+            if group:
+                launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
             for rank in range(nprocs):
                 pid = os.fork()
                 if pid == 0:
                     if group:
-                        # Rank 0 leads a new process group; the others join
-                        # it.  Set in both processes, as shells do, so that
+                        # Set in both processes, as shells do, so that
                         # neither order of running leaves a gap.
-                        os.setpgid(0, leader)
+                        os.setpgid(0, group)
                     _in_worker(self.user_handlers)
                     rank_stdio, unused = _rank_stdio(stdio.get(rank), caller_out, caller_err)
                     _worker.forked_child(
@@ -495,10 +501,9 @@ class _Zygote:
                     )
                 if group:
                     try:
-                        os.setpgid(pid, leader or pid)
+                        os.setpgid(pid, group)
                     except (PermissionError, ProcessLookupError):
                         pass  # it already did, and may have moved on
-                    leader = leader or pid
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)
         except BaseException:
@@ -508,6 +513,8 @@ class _Zygote:
             launch.live = len(pids)
             pids = []
         finally:
+            if group:
+                _oscall.release_group_anchor(group)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             for pair in stdio.values():
                 for fd in pair:
@@ -833,8 +840,8 @@ class ServerClient:
         self.owner = os.getpid()
         self.lock = threading.Lock()
         self.dead = threading.Event()
-        # Process groups of launches whose workers may still run (pgid = the
-        # pid of their rank 0); added by the launcher, dropped when joined.
+        # Process groups of launches whose workers may still run (as the
+        # zygote names them); added by the launcher, dropped when joined.
         self.groups: set[int] = set()
         hello = {
             "preparation": _worker.preparation_data("fastspawn-zygote"),

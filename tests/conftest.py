@@ -34,6 +34,9 @@ def _fds() -> dict[int, str]:
 
 def _helpers() -> tuple[set[int], set[int]]:
     pids, fds = _launch.helper_processes()
+    warden_pids, warden_fds = _launch.warden_process()
+    pids |= warden_pids
+    fds |= warden_fds
     from multiprocessing import resource_tracker
 
     tracker = resource_tracker._resource_tracker

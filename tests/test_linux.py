@@ -61,6 +61,81 @@ def test_sigkill_of_parent_kills_every_worker(start_method):
     assert alive == [], f"workers alive 1 s after SIGKILL of their parent: {alive}"
 
 
+WARDEN_DRIVER = """
+import multiprocessing, sys, time, fastspawn, workers
+from fastspawn import _launch
+queue = multiprocessing.get_context("spawn").SimpleQueue()
+ctx = fastspawn.start_processes(
+    workers.start_sleeper_child, (queue,), nprocs=16, join=False, start_method=sys.argv[1])
+pids = []
+for _ in range(16):
+    pids.extend(queue.get())
+(warden,) = _launch.warden_process()[0]
+print(warden, " ".join(map(str, pids)), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_sigkill_of_parent_kills_workers_children_too(start_method):
+    # The workers die by PR_SET_PDEATHSIG; their children, in the launch's
+    # process group, by the warden's killpg.
+    driver = run_driver(WARDEN_DRIVER, start_method)
+    try:
+        assert driver.stdout is not None
+        warden, *pids = (int(word) for word in driver.stdout.readline().split())
+        assert len(pids) == 32
+        assert not any(gone(pid) for pid in pids + [warden])
+    finally:
+        kill_driver(driver)
+    alive = alive_after(pids + [warden])
+    assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
+
+
+def test_warden_killed_is_replaced():
+    ctx = start(workers.sleep_for, (0.2,), nprocs=2, start_method="fork")
+    (first,) = fastspawn._launch.warden_process()[0]
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while fastspawn._launch._warden.alive():  # reaps it once it is gone
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ctx = start(workers.succeed, nprocs=2, start_method="spawn")
+    assert ctx.return_values == {0: 0, 1: 1}
+    (second,) = fastspawn._launch.warden_process()[0]
+    assert second != first
+    assert not gone(second)
+
+
+def test_warden_leaves_with_its_caller_and_kills_nothing_live(tmp_path):
+    # A caller that ends normally: its warden exits, and a process group it
+    # was told is done (here one whose child lives on) is left alone.
+    driver = run_driver(
+        """
+        import subprocess, sys, fastspawn, workers
+        from fastspawn import _launch
+        ctx = fastspawn.start_processes(workers.leave_sleeper_child, nprocs=1, start_method="fork")
+        (warden,) = _launch.warden_process()[0]
+        print(warden, ctx.return_values[0], flush=True)
+        """
+    )
+    assert driver.stdout is not None
+    warden, orphan = (int(word) for word in driver.stdout.readline().split())
+    try:
+        assert driver.wait(timeout=60) == 0
+        driver.stdout.close()
+        deadline = time.monotonic() + 10
+        while not gone(warden):
+            assert time.monotonic() < deadline, "the warden outlived its caller"
+            time.sleep(0.02)
+        assert not gone(orphan)
+    finally:
+        try:
+            os.kill(orphan, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_parent_dead_before_prctl_is_detected():
     """The worker's prctl runs after its parent died: the re-check catches it."""
     reader, writer = os.pipe()

@@ -145,6 +145,26 @@ def test_worker_that_left_the_group_is_still_stopped(start_method):
     assert gone(ctx.pids()[1])
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn", "forkserver"])
+def test_every_rank_may_start_a_session(start_method):
+    # No rank leads the launch's process group (rank 0 did, and its setsid()
+    # raised PermissionError, which a spawned worker's never does).
+    ctx = fastspawn.start_processes(workers.lead_a_session, nprocs=3, start_method=start_method)
+    assert ctx.return_values == {0: True, 1: True, 2: True}
+    if start_method in ("zygote", "forkserver"):
+        # The group's anchor is reaped: the zygote has no child left.
+        zygote = _launch._server.pid
+        deadline = time.monotonic() + 10
+        while _children(zygote) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _children(zygote) == []
+
+
+def _children(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return f.read().split()
+
+
 def test_forked_child_leaves_the_parents_workers_alone():
     # A child forked from the caller runs the atexit hooks when it exits:
     # they must not join, read or unwatch the parent's workers.

@@ -266,6 +266,13 @@ def leave_group_or_raise(rank: int) -> None:
     raise ValueError("rank 0 fails")
 
 
+def lead_a_session(rank: int) -> bool:
+    """Start a session of its own, as a daemonizing worker does: whether
+    it now leads it."""
+    os.setsid()
+    return os.getsid(0) == os.getpid()
+
+
 def count_sigterms(rank: int, folder: str) -> None:
     """Rank 0 fails after 0.5 s; the others note each SIGTERM they get in a
     file of their own, and take 0.3 s to shut down after the first."""

@@ -1,0 +1,209 @@
+"""The warden: kills the process groups of a caller's fork and spawn launches
+once the caller is gone, however it died.
+
+Workers of those start methods are the caller's children, with
+PR_SET_PDEATHSIG(SIGKILL) against it; their own children are not, and
+nothing that outlives a SIGKILL of the caller would otherwise be left to stop
+them.  Each such launch puts its workers (and so, unless they move, their
+children) in a process group of its own, and the caller names the group to
+its warden: a small process of its own, started at the first fork or spawn
+launch, that watches the caller through a pidfd and kills every group still
+named when the caller exits.  (Zygote launches need none: the zygote watches
+the caller, and adopts its workers' orphans.)
+
+The warden runs this file as a script under ``python -I -S``: the standard
+library alone, no site, no fastspawn import, so it starts in a few ms.  The
+caller talks to it over an inherited socketpair: ``+<pgid>`` names a group,
+``-<pgid>`` drops one whose workers are all reaped, ``stop`` ends it
+(space-separated, several in one message).  A group still named when the
+caller dies is killed; one dropped never is.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+
+TYPE_CHECKING = False  # not typing's: importing typing costs the warden
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+# How long an EOF on the control socket waits for the caller's pidfd: a
+# caller that dies closes its fds shortly before its exit shows there.
+_EOF_PATIENCE = 2.0
+
+
+stopped = False  # the caller said "stop": its EOF that follows kills nothing
+
+
+def _apply(groups: set[int], data: bytes) -> None:
+    global stopped
+    for word in data.split():
+        if word == b"stop":
+            stopped = True
+        elif word[:1] == b"+":
+            groups.add(int(word[1:]))
+        else:
+            groups.discard(int(word[1:]))
+
+
+def _drain(control: socket.socket, groups: set[int]) -> bool:
+    """Apply every queued message; False at EOF."""
+    while True:
+        try:
+            data = control.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        _apply(groups, data)
+
+
+def _kill(groups: Iterable[int]) -> None:
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone; or, if the id came back to another user's group, not ours
+
+
+def main() -> None:
+    """``python -I -S _warden.py <control fd> <caller pid>``."""
+    # Not for us: a terminal's Ctrl-C (we lead a group of our own anyway) and
+    # its hangup, after which the caller's groups still need their cleanup.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    control = socket.socket(fileno=int(sys.argv[1]))
+    caller = int(sys.argv[2])
+    groups: set[int] = set()
+    try:
+        pidfd = os.pidfd_open(caller)
+    except ProcessLookupError:
+        pidfd = -1
+    # Our parent is the caller until it dies: if it is not, the pidfd (if
+    # any) may name whoever got its pid since.
+    if pidfd < 0 or os.getppid() != caller:
+        _drain(control, groups)
+        _kill(groups)
+        return
+    poller = select.poll()
+    poller.register(control, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    while True:
+        ready = {fd for fd, _event in poller.poll()}
+        if pidfd in ready:
+            _drain(control, groups)
+            _kill(groups)
+            return
+        if not _drain(control, groups):
+            if stopped:
+                return
+            # EOF unasked: the caller is dying, or its socket was closed
+            # under it.  Only its exit makes the groups ours to kill;
+            # otherwise they live on without us (the caller starts a new
+            # warden when it next needs one).
+            if select.select([pidfd], [], [], _EOF_PATIENCE)[0]:
+                _kill(groups)
+            return
+
+
+class Warden:
+    """The caller's handle on its warden (one per caller process)."""
+
+    def __init__(self) -> None:
+        from fastspawn import _oscall
+
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            argv = [sys.executable, "-I", "-S", __file__, str(theirs.fileno()), str(os.getpid())]
+            # No PR_SET_PDEATHSIG: it must outlive us.  A group of its own,
+            # so that a terminal's signals for our job do not reach it.
+            self.pid, self.pidfd = _oscall.launch(
+                sys.executable,
+                argv,
+                dict(os.environ),
+                stdin=null,
+                keep_fds=[theirs.fileno()],
+                new_process_group=True,
+            )
+        finally:
+            theirs.close()
+            os.close(null)
+        self.control = mine
+        self.owner = os.getpid()
+        self.groups: set[int] = set()
+        self.lock = threading.Lock()
+
+    def _send(self, words: list[str]) -> None:
+        """One message; OSError if the warden is gone (or not keeping up)."""
+        self.control.send(" ".join(words).encode(), socket.MSG_DONTWAIT)
+
+    def watch(self, group: int) -> None:
+        with self.lock:
+            self._send([f"+{group}"])
+            self.groups.add(group)
+
+    def forget(self, groups: Iterable[int]) -> None:
+        with self.lock:
+            mine = [group for group in groups if group in self.groups]
+            if not mine:
+                return
+            self.groups.difference_update(mine)
+            try:
+                self._send([f"-{group}" for group in mine])
+            except OSError:
+                pass  # gone: it kills nothing; watch() starts a new one
+
+    def alive(self) -> bool:
+        from fastspawn import _oscall
+
+        try:
+            return _oscall.pidfd_wait(self.pidfd, nohang=True) is None
+        except ChildProcessError:
+            return False
+
+    def replace(self) -> Warden:
+        """A new warden that watches what this one did; this one stops."""
+        fresh = Warden()
+        with self.lock:
+            groups = sorted(self.groups)
+        for group in groups:
+            fresh.watch(group)
+        self.close()
+        return fresh
+
+    def forget_in_child(self) -> None:
+        """In a process forked from the owner: close our copies."""
+        self.control.close()
+        try:
+            os.close(self.pidfd)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Stop the warden (it kills nothing) and reap it."""
+        if os.getpid() != self.owner:
+            return
+        try:
+            self._send(["stop"])
+        except OSError:
+            pass  # gone, or stuck: the EOF alone ends it
+        self.control.close()
+        from fastspawn import _oscall
+
+        try:
+            _oscall.pidfd_wait(self.pidfd, nohang=False)
+        except ChildProcessError:
+            pass
+        os.close(self.pidfd)
+
+
+if __name__ == "__main__":
+    main()
