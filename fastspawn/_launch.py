@@ -149,7 +149,8 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def _reset_after_fork() -> None:
-    global _thread, _server, _jobs_ready, _thread_lock, _server_lock, _warden, _warden_lock
+    global _thread, _server, _jobs_ready, _thread_lock, _server_lock
+    global _warden, _warden_lock, _watched
     _thread = None  # the launcher thread does not exist in a forked child
     if _server is not None:
         # Nor is the zygote ours.  Its control socket must not stay open
@@ -160,7 +161,8 @@ def _reset_after_fork() -> None:
     if _warden is not None:
         _warden.forget_in_child()  # it watches the parent, not us
     _warden = None
-    _warden_lock = threading.Lock()
+    _warden_lock = threading.RLock()
+    _watched = set()
     # ...and it may have held these at the fork: fresh ones, no old jobs.
     _jobs.clear()
     _jobs_ready = threading.Condition()
@@ -335,21 +337,32 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
 _server: ServerClient | None = None
 _server_lock = threading.Lock()
 _warden: Warden | None = None
-_warden_lock = threading.Lock()
+# The groups of fork and spawn launches not yet reaped: what the warden kills
+# should we die.  Reentrant: a finalizer that ends a context may run (in a
+# garbage collection) while this thread holds it.
+_watched: set[int] = set()
+_warden_lock = threading.RLock()
 
 
 def watch_group(group: int) -> None:
     """Name a fork or spawn launch's process group to the warden, started
-    on first use (or again, should it have died)."""
+    on first use (or again, with every group, should it have died)."""
     global _warden
     with _warden_lock:
-        if _warden is None:
-            _warden = Warden()
+        _watched.add(group)
         try:
-            _warden.watch(group)
-        except OSError:
-            _warden = _warden.replace()
-            _warden.watch(group)
+            if _warden is not None:
+                try:
+                    _warden.send([f"+{group}"])
+                    return
+                except OSError:
+                    _warden.close()
+                    _warden = None
+            _warden = Warden()
+            _warden.send([f"+{watched}" for watched in sorted(_watched)])
+        except BaseException:
+            _watched.discard(group)
+            raise
 
 
 def env_preload() -> list[str]:
@@ -595,9 +608,18 @@ def forget_groups(groups: Sequence[int]) -> None:
     if server is not None and groups:
         with server.lock:
             server.groups.difference_update(groups)
-    warden = _warden
-    if warden is not None and groups:
-        warden.forget(groups)
+    if not groups:
+        return
+    with _warden_lock:
+        mine = [group for group in groups if group in _watched]
+        if not mine:
+            return
+        _watched.difference_update(mine)
+        if _warden is not None:
+            try:
+                _warden.send([f"-{group}" for group in mine])
+            except OSError:
+                pass  # gone: it kills nothing, and the next launch replaces it
 
 
 def helper_processes() -> tuple[set[int], set[int]]:

@@ -26,7 +26,6 @@ import select
 import signal
 import socket
 import sys
-import threading
 
 TYPE_CHECKING = False  # not typing's: importing typing costs the warden
 if TYPE_CHECKING:
@@ -114,7 +113,8 @@ def main() -> None:
 
 
 class Warden:
-    """The caller's handle on its warden (one per caller process)."""
+    """The caller's handle on its warden: the transport alone (which groups
+    to name is the launcher's record, see _launch.watch_group)."""
 
     def __init__(self) -> None:
         from fastspawn import _oscall
@@ -138,46 +138,20 @@ class Warden:
             os.close(null)
         self.control = mine
         self.owner = os.getpid()
-        self.groups: set[int] = set()
-        self.lock = threading.Lock()
 
-    def _send(self, words: list[str]) -> None:
-        """One message; OSError if the warden is gone (or not keeping up)."""
+    def send(self, words: Iterable[str]) -> None:
+        """One message; OSError if the warden is gone (EPIPE: no SIGPIPE on
+        a SOCK_SEQPACKET socket) or not keeping up."""
         self.control.send(" ".join(words).encode(), socket.MSG_DONTWAIT)
 
-    def watch(self, group: int) -> None:
-        with self.lock:
-            self._send([f"+{group}"])
-            self.groups.add(group)
-
-    def forget(self, groups: Iterable[int]) -> None:
-        with self.lock:
-            mine = [group for group in groups if group in self.groups]
-            if not mine:
-                return
-            self.groups.difference_update(mine)
-            try:
-                self._send([f"-{group}" for group in mine])
-            except OSError:
-                pass  # gone: it kills nothing; watch() starts a new one
-
     def alive(self) -> bool:
+        """Whether it runs (reaping it if not)."""
         from fastspawn import _oscall
 
         try:
             return _oscall.pidfd_wait(self.pidfd, nohang=True) is None
         except ChildProcessError:
             return False
-
-    def replace(self) -> Warden:
-        """A new warden that watches what this one did; this one stops."""
-        fresh = Warden()
-        with self.lock:
-            groups = sorted(self.groups)
-        for group in groups:
-            fresh.watch(group)
-        self.close()
-        return fresh
 
     def forget_in_child(self) -> None:
         """In a process forked from the owner: close our copies."""
@@ -192,7 +166,7 @@ class Warden:
         if os.getpid() != self.owner:
             return
         try:
-            self._send(["stop"])
+            self.send(["stop"])
         except OSError:
             pass  # gone, or stuck: the EOF alone ends it
         self.control.close()

@@ -92,6 +92,42 @@ def test_sigkill_of_parent_kills_workers_children_too(start_method):
     assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
 
 
+def test_replaced_warden_watches_earlier_launches_too():
+    # The first launch's group was named to a warden that died since: its
+    # successor must be told of it, or those children outlive the caller.
+    driver = run_driver(
+        """
+        import multiprocessing, os, signal, sys, time, fastspawn, workers
+        from fastspawn import _launch
+        queue = multiprocessing.get_context("spawn").SimpleQueue()
+        pids = []
+        contexts = []
+        for launch in range(2):
+            contexts.append(fastspawn.start_processes(
+                workers.start_sleeper_child, (queue,), nprocs=3, join=False, start_method="fork"))
+            for _ in range(3):
+                pids.extend(queue.get())
+            if launch == 0:
+                (first,) = _launch.warden_process()[0]
+                os.kill(first, signal.SIGKILL)
+                os.waitid(os.P_PID, first, os.WEXITED | os.WNOWAIT)
+        (warden,) = _launch.warden_process()[0]
+        assert warden != first
+        print(warden, " ".join(map(str, pids)), flush=True)
+        time.sleep(600)
+        """
+    )
+    try:
+        assert driver.stdout is not None
+        warden, *pids = (int(word) for word in driver.stdout.readline().split())
+        assert len(pids) == 12
+        assert not any(gone(pid) for pid in pids)
+    finally:
+        kill_driver(driver)
+    alive = alive_after(pids + [warden])
+    assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
+
+
 def test_warden_killed_is_replaced():
     ctx = start(workers.sleep_for, (0.2,), nprocs=2, start_method="fork")
     (first,) = fastspawn._launch.warden_process()[0]
