@@ -147,9 +147,9 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-dir",
         default=None,
-        help="empty directory for {attempt}/{rank}/stdout.log|stderr.log|error.json "
-        "(default: a new private temporary directory when --redirects or --tee "
-        "ask for files)",
+        help="empty directory for {attempt}/{rank}/stdout.log|stderr.log of the streams "
+        "--redirects or --tee name (default: a new private temporary directory when "
+        "they name any)",
     )
     parser.add_argument(
         "--redirects",

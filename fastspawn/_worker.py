@@ -1,8 +1,8 @@
 """The worker side: run ``fn(rank, *args)``, report, exit.
 
-Three entries, one per way a worker comes to life:
+Two entries, one per way a worker comes to life:
 - ``forked_child``: right after os.fork() in the caller (start method "fork")
-  or in the fork server ("forkserver").
+  or in the zygote ("zygote", and "forkserver", which it serves).
 - ``spawn_main``: a fresh interpreter exec'd by the C launcher ("spawn").
 Each ends in ``os._exit`` with the worker's exit code.
 """

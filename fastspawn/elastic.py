@@ -752,8 +752,9 @@ def start_processes(
             or name (``args[rank]`` converted with ``str()``).
         args, envs: per rank, keyed exactly ``0..n-1``.
         log_dir: an existing, empty directory (or ``os.devnull`` for no
-            files); each rank gets ``{rank}/stdout.log``, ``stderr.log`` and
-            ``error.json`` there, created 0600.
+            files); each rank gets ``{rank}/stdout.log`` and ``stderr.log``
+            there for the streams redirected or tee'd, and ``error.json``
+            if a function rank fails, created 0600.
         start_method: for function ranks; binaries always start from the
             zygote, which adopts and kills what their children leave.
         redirects: streams written to the rank's log file.
