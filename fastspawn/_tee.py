@@ -52,6 +52,21 @@ class _Stream:
     partial: bytearray = field(default_factory=bytearray)
     # When the oldest byte of ``partial`` arrived (time.monotonic()).
     held_since: float = 0.0
+    # The line left open on the console ends in a carriage return: what
+    # continues it starts at column 0, so it needs the prefix again.
+    after_return: bool = False
+
+
+def _after_returns(prefix: bytes, segment: bytes) -> bytes:
+    """``segment`` (bytes of one line, without its newline) with ``prefix``
+    after each carriage return that more of the line follows: a progress bar
+    redrawn with "\r" goes back to column 0, and would write over the prefix.
+    A return at the end is left bare: a newline may follow (CRLF)."""
+    if b"\r" not in segment:
+        return segment
+    if segment.endswith(b"\r"):
+        return segment[:-1].replace(b"\r", b"\r" + prefix) + b"\r"
+    return segment.replace(b"\r", b"\r" + prefix)
 
 
 def _console(name: str) -> BinaryIO:
@@ -258,8 +273,9 @@ class Tee:
 
     def _show(self, stream: _Stream, text: bytes) -> None:
         """Write ``text`` to the console, each line that starts in it
-        prefixed; ``text`` may end without a newline (the line is then left
-        open, and ``stream``'s next text continues it)."""
+        prefixed, and each redraw after a carriage return; ``text`` may end
+        without a newline (the line is then left open, and ``stream``'s next
+        text continues it)."""
         console = stream.console
         if console.broken:
             return
@@ -270,19 +286,24 @@ class Tee:
             parts.append(b"\n")
             console.open_line = None
         continues = console.open_line is stream
+        # Continuing a line left open after a carriage return: the prefix
+        # goes first, unless what follows is the newline (CRLF).
+        again = continues and stream.after_return
         lines = text.split(b"\n")
         tail = lines.pop()  # b"" when text ends with a newline
         for i, line in enumerate(lines):
-            if i or not continues:
+            if i or not continues or (again and line):
                 parts.append(stream.prefix)
-            parts += (line, b"\n")
+            parts += (_after_returns(stream.prefix, line), b"\n")
         if tail:
-            if lines or not continues:
+            if lines or not continues or again:
                 parts.append(stream.prefix)
-            parts.append(tail)
+            parts.append(_after_returns(stream.prefix, tail))
             console.open_line = stream
+            stream.after_return = tail.endswith(b"\r")
         else:
             console.open_line = None
+            stream.after_return = False
         self._write_console(console, b"".join(parts))
 
     def _write_console(self, console: _Console, out: bytes) -> None:

@@ -330,16 +330,38 @@ def test_progress_bar_is_shown_before_eof(tee, console):
     tee.start()
     try:
         writer.write(b"\r 10%")
-        # Shown after PARTIAL_DELAY with no newline coming.
-        assert eventually(lambda: console.text() == b"[r0]:\r 10%")
+        # Shown after PARTIAL_DELAY with no newline coming; each redraw
+        # starts at column 0, so it gets the prefix again.
+        assert eventually(lambda: console.text() == b"[r0]:\r[r0]: 10%")
         writer.write(b"\r 20%")
-        assert eventually(lambda: console.text() == b"[r0]:\r 10%\r 20%")
+        assert eventually(lambda: console.text() == b"[r0]:\r[r0]: 10%\r[r0]: 20%")
         writer.write(b"\r100%\n")
     finally:
         writer.close()
     assert tee.join(idle_timeout=WAIT)
-    # The line goes on where it was left: its prefix is not repeated.
-    assert console.text() == b"[r0]:\r 10%\r 20%\r100%\n"
+    assert console.text() == b"[r0]:\r[r0]: 10%\r[r0]: 20%\r[r0]:100%\n"
+
+
+def test_return_at_the_end_of_a_shown_part(tee, console, tmp_path):
+    # tqdm style (text, then a return before the next redraw) and CRLF line
+    # ends: a return that ends what was shown gets the prefix only once more
+    # of the line follows, and none before a newline; the log keeps it all.
+    path = tmp_path / "stdout.log"
+    writer = Writer(pipe(tee, open(path, "wb")), keep_open=True)
+    tee.start()
+    try:
+        writer.write(b" 10%\r")
+        assert eventually(lambda: console.text() == b"[r0]: 10%\r")
+        writer.write(b" 20%\r")
+        assert eventually(lambda: console.text() == b"[r0]: 10%\r[r0]: 20%\r")
+        writer.write(b"\ndone\r\nok\r")
+        assert eventually(lambda: console.text().endswith(b"[r0]:ok\r"))
+        writer.write(b"\n")
+    finally:
+        writer.close()
+    assert tee.join(idle_timeout=WAIT)
+    assert console.text() == b"[r0]: 10%\r[r0]: 20%\r\n[r0]:done\r\n[r0]:ok\r\n"
+    assert path.read_bytes() == b" 10%\r 20%\r\ndone\r\nok\r\n"
 
 
 def test_unfinished_line_is_ended_before_another_rank_writes(tee, console):
