@@ -37,6 +37,8 @@ ffibuilder.cdef(
         int new_session;
         int new_process_group;
         int process_group;
+        int set_sigmask;
+        uint64_t sigmask;
     };
     int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
     int fs_group_anchor(void);

@@ -48,6 +48,8 @@ struct fs_launch_spec {
     int new_session;           /* non-zero: setsid() in the child */
     int new_process_group;     /* non-zero: setpgid(0, 0) in the child */
     int process_group;         /* > 0: setpgid(0, it) in the child */
+    int set_sigmask;           /* non-zero: the child's signal mask is sigmask */
+    uint64_t sigmask;          /* bit n-1 blocks signal n; else the parent's mask */
 };
 int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
 int fs_group_anchor(void);

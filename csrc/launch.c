@@ -147,8 +147,20 @@ static int child_main(void *opaque)
     if (s->cwd != NULL && chdir(s->cwd) != 0)
         child_fail(args);
 
-    if (sigprocmask(SIG_SETMASK, &args->parent_mask, NULL) != 0)
+    if (s->set_sigmask) {
+        /* The mask the parent asked for: its own is a held one (every
+         * signal blocked across a launch), which a program must not start
+         * with. */
+        sigset_t mask;
+        sigemptyset(&mask);
+        for (sig = 1; sig <= 64 && sig < NSIG; sig++)
+            if (s->sigmask & (1ULL << (sig - 1)))
+                sigaddset(&mask, sig);   /* EINVAL for glibc's own: skipped */
+        if (sigprocmask(SIG_SETMASK, &mask, NULL) != 0)
+            child_fail(args);
+    } else if (sigprocmask(SIG_SETMASK, &args->parent_mask, NULL) != 0) {
         child_fail(args);
+    }
     execve(s->path, s->argv, s->envp);
     child_fail(args);
     return 127;
@@ -163,7 +175,8 @@ static int child_main(void *opaque)
  * back a pidfd atomically.  In the child, before exec: signal handlers reset,
  * PR_SET_PDEATHSIG armed and the parent re-checked (fs_set_pdeathsig), an
  * optional setsid() or setpgid() (a new group, or joining one), stdio redirected, every fd but 0..2 and keep_fds closed
- * on exec, cwd changed.  A failure in any of those steps, the exec included,
+ * on exec, cwd changed, the signal mask set (the parent's, or the one the spec
+ * gives).  A failure in any of those steps, the exec included,
  * comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
  * child already reaped.
  *

@@ -405,6 +405,11 @@ class ProcessContext:
                     wait_readable([proc.sentinel], None)
             except (OSError, ValueError):
                 pass  # that join reaped and closed one meanwhile
+            # The workers are gone; that join ends once their statuses are
+            # in, which a zygote sends after reaping them: let it, before
+            # the zygote is stopped (its join would count them killed).
+            if self._join_lock.acquire(timeout=5.0):
+                self._join_lock.release()
             return
         try:
             self._end(signal.SIGTERM if self.daemon else None)
@@ -545,35 +550,48 @@ def _check_options(options: Mapping[str, Any]) -> None:
 # ---------------------------------------------------------------- public API
 
 
-def launch_context(request: _launch.LaunchRequest) -> ProcessContext:
-    """Start the workers of a checked request; nothing is left on failure."""
-    rx_sock, tx = channel_pair()
-    receiver = Receiver(rx_sock)
+def launch_context(request: _launch.LaunchRequest, join: bool = False) -> ProcessContext:
+    """Start the workers of a checked request (and with ``join``, join
+    them); nothing is left on failure.  A Ctrl-C anywhere in here, the
+    moment a launch ends included, kills every worker started."""
+    started: _launch.Started = []
+    context = receiver = tx = None
     try:
-        started = _launch.launch(request, tx, receiver)
-    except BaseException:
-        receiver.close()
-        raise
-    finally:
-        tx.close()
-    try:
-        processes = [
-            Process(rank, pid, pidfd, receiver, is_child)
-            for rank, (pid, pidfd, is_child) in enumerate(started)
-        ]
-        return ProcessContext(
-            processes,
-            receiver,
-            daemon=request.daemon,
-            group=request.group,
-            watched_groups=request.watched_groups,
-        )
-    except BaseException:
-        # Out of fds for the epoll set, say: the workers run, and nothing
-        # would watch them.
-        _launch.kill_started(started)
-        _launch.forget_groups(request.watched_groups)
-        receiver.close()
+        try:
+            with _oscall.held_signals():  # made and recorded, for the cleanup
+                rx_sock, tx = channel_pair()
+                receiver = Receiver(rx_sock)
+            _launch.launch(request, tx, receiver, started)
+        finally:
+            if tx is not None:
+                tx.close()
+        with _oscall.held_signals():  # the workers pass to the context whole
+            processes = [
+                Process(rank, pid, pidfd, receiver, is_child)
+                for rank, (pid, pidfd, is_child) in enumerate(started)
+            ]
+            context = ProcessContext(
+                processes,
+                receiver,
+                daemon=request.daemon,
+                group=request.group,
+                watched_groups=request.watched_groups,
+            )
+        while join and not context.join():
+            pass
+        return context
+    except BaseException as exc:
+        if context is None:
+            # Interrupted as the launch ended, or out of fds for the epoll
+            # set: the workers run, and nothing would watch them.
+            _launch.kill_started(started)
+            _launch.forget_groups(request.watched_groups)
+            if receiver is not None:
+                receiver.close()
+        elif not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
+            # Ctrl-C or another error in the caller: leave nothing running.
+            context._failed = True
+            context._end(signal.SIGKILL)
         raise
 
 
@@ -659,18 +677,7 @@ def start_processes(
             envs=checked_envs,
             preload=preload_list,
         )
-        context = launch_context(request)
-    if not join:
-        return context
-    try:
-        while not context.join():
-            pass
-    except BaseException as exc:
-        if not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
-            # Ctrl-C or another error in the caller: leave nothing running.
-            context._failed = True
-            context._end(signal.SIGKILL)
-        raise
+        context = launch_context(request, join)
     return context
 
 

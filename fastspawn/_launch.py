@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from fastspawn import _channel, _oscall, _pickling, _worker
 from fastspawn._channel import Receiver
@@ -72,8 +72,10 @@ class LaunchRequest:
         # zygote: put the launch's workers in a process group of their own
         # (binary ranks lead a session each instead).
         self.process_group = process_group
-        # Set by the zygote launch: the process group of the workers (0: none).
+        # The process group of the workers (0: none), and while the ranks
+        # join it in a fork or spawn launch, its anchor (see _new_group).
         self.group = 0
+        self.anchor = 0
         # Set by the zygote launch: the process groups to kill should the
         # zygote die (the launch's group, or each binary rank's session).
         self.watched_groups: list[int] = []
@@ -114,7 +116,11 @@ _thread: threading.Thread | None = None
 _thread_lock = threading.Lock()
 
 
-def _launcher_loop() -> None:
+def _launcher_loop(mask: set[int | signal.Signals]) -> None:
+    # A thread starts with its creator's mask, which may be a held one
+    # (every signal blocked, see _oscall.held_signals): not for this thread,
+    # whose forked workers and started programs inherit its mask.
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     while True:
         with _jobs_ready:
             while not _jobs:
@@ -137,7 +143,10 @@ def on_launcher_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     with _thread_lock:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(
-                target=_launcher_loop, name="fastspawn-launcher", daemon=True
+                target=_launcher_loop,
+                args=(_oscall.unheld_mask(),),
+                name="fastspawn-launcher",
+                daemon=True,
             )
             _thread.start()
     outcome = _Outcome()
@@ -221,77 +230,107 @@ def _payload_memfd(data: bytes) -> int:
 
 
 def _new_group(req: LaunchRequest) -> int:
-    """A process group for a fork or spawn launch, named to the warden: its
-    anchor is to be released once the ranks have joined."""
-    group = _oscall.group_anchor()
-    try:
+    """A process group for a fork or spawn launch, named to the warden.  Its
+    anchor, in ``req.anchor``, is for the caller's ``finally`` to release
+    (_release_anchor) once the ranks have joined: call this inside the
+    ``try``, so that an interrupt delivered as it returns is cleaned up too."""
+    with _oscall.held_signals():  # an anchor no one knows of stays a zombie
+        group = req.anchor = req.group = _oscall.group_anchor()
+        req.watched_groups = [group]
         watch_group(group)
-    except BaseException:
-        _oscall.release_group_anchor(group)
-        raise
-    req.group = group
-    req.watched_groups = [group]
     return group
 
 
+def _release_anchor(req: LaunchRequest) -> None:
+    """Reap ``req``'s anchor, if not done yet: inside the held signals of
+    the last rank's start, or in a ``finally`` when the launch failed."""
+    anchor, req.anchor = req.anchor, 0
+    if anchor:
+        _oscall.release_group_anchor(anchor)
+
+
 def _end_group(req: LaunchRequest, started: Started) -> None:
-    """A launch failed half-way: kill and reap what started, drop its group."""
+    """A launch failed half-way: kill and reap what started (``started`` is
+    emptied: its pidfds are closed), drop its group."""
     try:
         kill_started(started)
+        started.clear()
     finally:
         forget_groups(req.watched_groups)
         req.group = 0
         req.watched_groups = []
 
 
-def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
-    started: Started = []
+def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
     parent = os.getpid()
     channel = _worker.channel_identity(tx)
     match_threads = _worker.torch_threads_to_match(req.envs)
     _worker.flush_std_streams()
-    group = _new_group(req)
     try:
+        group = _new_group(req)
         for rank in range(req.nprocs):
-            pid = os.fork()
-            if pid == 0:
-                # Set in both processes, as shells do, so that neither order
-                # of running leaves a gap.
+            held = _oscall.held_signals()
+            with held:  # from the fork until the worker is in ``started``
+                pid = os.fork()
+                if pid == 0:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
+                    _in_fork_worker(req, rank, parent, tx, rx, group, channel, match_threads)
                 try:
-                    os.setpgid(0, group)
-                except OSError:
-                    pass  # the parent did; or the caller's stranger reaped the anchor
-                _worker.forked_child(
-                    rank,
-                    parent,
-                    req.fn,
-                    req.args,
-                    tx,
-                    daemon=req.daemon,
-                    rank_env=req.envs.get(rank),
-                    close_fds=[rx.fileno()],
-                    stdio=req.stdio.get(rank),
-                    stdin=None if req.keep_stdin else -1,
-                    channel=channel,
-                    match_torch_threads=match_threads,
-                )
-            try:
-                os.setpgid(pid, group)
-            except (PermissionError, ProcessLookupError):
-                pass  # it did already, and may have moved on
-            started.append((pid, _oscall.pidfd_open(pid), True))
+                    os.setpgid(pid, group)
+                except (PermissionError, ProcessLookupError):
+                    pass  # it did already, and may have moved on
+                try:
+                    pidfd = _oscall.pidfd_open(pid)
+                except BaseException:
+                    os.kill(pid, signal.SIGKILL)  # unreaped: still ours
+                    os.waitpid(pid, 0)
+                    raise
+                started.append((pid, pidfd, True))
+                if rank == req.nprocs - 1:
+                    _release_anchor(req)  # here, with the signals still held
     except BaseException:
         _end_group(req, started)
         raise
     finally:
-        _oscall.release_group_anchor(group)
-    return started
+        _release_anchor(req)
 
 
-def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+def _in_fork_worker(
+    req: LaunchRequest,
+    rank: int,
+    parent: int,
+    tx: socket.socket,
+    rx: Receiver,
+    group: int,
+    channel: tuple[int, int],
+    match_threads: bool,
+) -> NoReturn:
+    # Set in both processes, as shells do, so that neither order of running
+    # leaves a gap.
+    try:
+        os.setpgid(0, group)
+    except OSError:
+        pass  # the parent did; or a stranger reaped the anchor
+    _worker.forked_child(
+        rank,
+        parent,
+        req.fn,
+        req.args,
+        tx,
+        daemon=req.daemon,
+        rank_env=req.envs.get(rank),
+        close_fds=[rx.fileno()],
+        stdio=req.stdio.get(rank),
+        stdin=None if req.keep_stdin else -1,
+        channel=channel,
+        match_torch_threads=match_threads,
+    )
+
+
+def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
     collector = _pickling.FdCollector()
     preparation = _worker.preparation_data("fastspawn-worker")
-    payload_fd = _payload_memfd(_pickling.dumps([preparation, (req.fn, req.args)], collector))
+    payload = _pickling.dumps([preparation, (req.fn, req.args)], collector)
     tracker = _tracker_fd()
     argv = [
         sys.executable,
@@ -299,39 +338,42 @@ def _launch_spawn(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Starte
         "-c",
         _SPAWN_ENTRY,
     ]
-    tail = [str(payload_fd), str(tx.fileno()), "1" if req.daemon else "0", str(tracker or -1)]
-    tail += [str(fd) for fd in collector.fds]
-    keep = [payload_fd, tx.fileno(), *collector.fds] + ([tracker] if tracker is not None else [])
     base_env = dict(os.environ)
-    started: Started = []
     _worker.flush_std_streams()
+    payload_fd = -1
     try:
+        with _oscall.held_signals():  # made and recorded, for the finally to close
+            payload_fd = _payload_memfd(payload)
+        del payload
+        tail = [str(payload_fd), str(tx.fileno()), "1" if req.daemon else "0", str(tracker or -1)]
+        tail += [str(fd) for fd in collector.fds]
+        keep = [payload_fd, tx.fileno(), *collector.fds]
+        keep += [tracker] if tracker is not None else []
         group = _new_group(req)
-    except BaseException:
-        os.close(payload_fd)
-        raise
-    try:
         for rank in range(req.nprocs):
             env = {**base_env, **req.envs.get(rank, {})}
             out, err = req.stdio.get(rank, (-1, -1))
-            pid, pidfd = _oscall.launch(
-                sys.executable,
-                argv + [str(rank)] + tail,
-                env,
-                stdout=out,
-                stderr=err,
-                keep_fds=keep,
-                pdeathsig=signal.SIGKILL,
-                process_group=group,
-            )
-            started.append((pid, pidfd, True))
+            with _oscall.held_signals():  # until the worker is in ``started``
+                pid, pidfd = _oscall.launch(
+                    sys.executable,
+                    argv + [str(rank)] + tail,
+                    env,
+                    stdout=out,
+                    stderr=err,
+                    keep_fds=keep,
+                    pdeathsig=signal.SIGKILL,
+                    process_group=group,
+                )
+                started.append((pid, pidfd, True))
+                if rank == req.nprocs - 1:
+                    _release_anchor(req)  # here, with the signals still held
     except BaseException:
         _end_group(req, started)
         raise
     finally:
-        os.close(payload_fd)
-        _oscall.release_group_anchor(group)
-    return started
+        if payload_fd >= 0:
+            os.close(payload_fd)
+        _release_anchor(req)
 
 
 _server: ServerClient | None = None
@@ -381,7 +423,8 @@ def get_server() -> ServerClient:
             _server = None
         if _server is None:
             _oscall.require_pidfds()
-            _server = ServerClient(env_preload())
+            with _oscall.held_signals():  # a zygote started is a zygote held
+                _server = ServerClient(env_preload())
         return _server
 
 
@@ -447,7 +490,7 @@ def _caller_stdio(keep_stdin: bool) -> tuple[list[int], list[int]]:
     return fds, opened
 
 
-def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
+def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
     cwd = current_dir()
     collector = _pickling.FdCollector()
     work = _pickling.dumps([(req.fn, req.args)], collector)
@@ -497,6 +540,8 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                 server = get_server()
             try:
                 with server.lock:
+                    if server.closed:  # fastspawn.stop_zygote() in another thread
+                        raise BrokenPipeError("the zygote was stopped")
                     # One message for the launch, whatever nprocs is; fds
                     # beyond what it holds follow in messages of their own.
                     carried = [*collector.fds, *stdio_fds, *default_stdio]
@@ -522,7 +567,10 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
                     raise
                 # The zygote died after get_server() found it alive: once its
                 # exit shows on the pidfd, the next call starts a new one.
-                wait_readable([server.pidfd], 10.0)
+                # (Stopped, its pidfd is closed, and get_server() knows.)
+                with server.lock:
+                    if not server.closed:
+                        wait_readable([server.pidfd], 10.0)
     finally:
         os.close(payload_fd)
         for fd in opened:
@@ -567,10 +615,11 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
             reports.pids.clear()
             forget_groups(req.watched_groups)
         raise
-    started: Started = [reports.pids[rank] + (False,) for rank in sorted(reports.pids)]
+    with _oscall.held_signals():  # the pidfds move from the reports to ``started``
+        started += [reports.pids[rank] + (False,) for rank in sorted(reports.pids)]
+        reports.pids.clear()
     if reports.launch_failed is not None or len(started) < req.nprocs:
-        kill_started(started)
-        forget_groups(req.watched_groups)
+        _end_group(req, started)
         why = reports.launch_failed or (
             "the zygote died during the launch; what it printed on stderr says why "
             "(a __main__ that starts processes without an `if __name__ == '__main__':` "
@@ -579,10 +628,9 @@ def _launch_zygote(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Start
         raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
     if req.process_group:
         req.group = reports.group
-    return started
 
 
-_METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]] = {
+_METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver, Started], None]] = {
     "fork": _launch_fork,
     "spawn": _launch_spawn,
     "forkserver": _launch_zygote,  # our forkserver is the zygote
@@ -590,16 +638,41 @@ _METHODS: dict[str, Callable[[LaunchRequest, socket.socket, Receiver], Started]]
 }
 
 
-def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver) -> Started:
-    """Start every rank of ``req``; on failure nothing is left running."""
+def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
+    """Start every rank of ``req``, each entered in ``started`` as it starts
+    (the caller's list: whatever interrupts us, the caller knows what to
+    clean up); on failure nothing is left running, and ``started`` is empty."""
     _oscall.require_pidfds()
+    if req.start_method in ("fork", "spawn") and _children_discarded():
+        raise RuntimeError(
+            f"fastspawn: start_method={req.start_method!r} needs the workers' exit "
+            "statuses, and this process ignores SIGCHLD (SIG_IGN), so the kernel "
+            "discards them; restore the default first (signal.signal(signal.SIGCHLD, "
+            "signal.SIG_DFL)), or use start_method='zygote', whose workers are the "
+            "zygote's children"
+        )
     if req.start_method == "spawn":
         current_dir()  # its workers start there: a clear error if it is gone
         # (the zygote's launch reads it for its header, with the same check)
     method = _METHODS[req.start_method]
     if req.start_method in ("zygote", "forkserver"):
-        return method(req, tx, rx)  # the zygote does the forking
-    return on_launcher_thread(method, req, tx, rx)
+        method(req, tx, rx, started)  # the zygote does the forking
+    else:
+        on_launcher_thread(method, req, tx, rx, started)
+
+
+def _children_discarded() -> bool:
+    """Whether SIGCHLD is ignored here (children reaped by the kernel, their
+    statuses lost), as the kernel says: signal.getsignal() misses a
+    disposition set from C."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGCHLD - 1) & 1)
+    except OSError:
+        pass
+    return signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN
 
 
 def forget_groups(groups: Sequence[int]) -> None:

@@ -271,6 +271,10 @@ def launch(
             "process_group": process_group,
         },
     )
+    outside = getattr(_outside, "mask", None)
+    if outside is not None:  # inside held_signals(): not the held mask
+        spec.set_sigmask = 1
+        spec.sigmask = _mask_bits(outside)
     pidfd = ffi.new("int *")
     pid = lib.fs_launch(spec, pidfd)
     if pid < 0:
@@ -312,3 +316,49 @@ def start_quiet_thread(thread: threading.Thread) -> None:
         thread.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# Per thread: the signal mask in force outside the outermost held_signals()
+# block, which a process started inside it must get (not the held one).
+_outside = threading.local()
+
+
+class held_signals:
+    """``with held_signals():`` keeps asynchronous signals pending across a
+    step whose result must reach the caller's records: a process started
+    and its pid stored, say.  A Ctrl-C in between would raise
+    KeyboardInterrupt after the process started and before anyone knew of
+    it, leaving it running (and its pidfd open) beyond any cleanup.  Held,
+    the signal is delivered when the block ends, and its exception raised
+    there.  ``previous`` is the mask to restore in a child forked inside;
+    :func:`launch` inside gives its child the mask from outside the block.
+    """
+
+    def __init__(self) -> None:
+        self.previous: set[int | signal.Signals] = set()
+        self.outermost = False
+
+    def __enter__(self) -> held_signals:
+        blocked = signal.valid_signals() - _SYNCHRONOUS - {signal.SIGKILL, signal.SIGSTOP}
+        self.previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        self.outermost = getattr(_outside, "mask", None) is None
+        if self.outermost:
+            _outside.mask = self.previous
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outermost:
+            _outside.mask = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.previous)
+
+
+def unheld_mask() -> set[int | signal.Signals]:
+    """This thread's signal mask as it is outside any held_signals() block."""
+    outside = getattr(_outside, "mask", None)
+    if outside is not None:
+        return set(outside)
+    return signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+
+def _mask_bits(mask: Iterable[int]) -> int:
+    return sum(1 << (int(sig) - 1) for sig in mask if 0 < int(sig) <= 64)

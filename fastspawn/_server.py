@@ -794,6 +794,7 @@ def main() -> None:
                 break
             except SystemExit:
                 continue  # SIGTERM landed inside the shutdown: run it again
+        control.close()
 
 
 # ---------------------------------------------------------------- caller side
@@ -822,17 +823,22 @@ class ServerClient:
                 str(os.getpid()),
             ]
             # Launched from a thread that lives as long as the process, since
-            # PR_SET_PDEATHSIG follows the launching thread.
-            self.pid, self.pidfd = on_launcher_thread(
-                _oscall.launch,
-                sys.executable,
-                argv,
-                dict(os.environ),
-                stdin=null,
-                keep_fds=[theirs.fileno()],
-                pdeathsig=signal.SIGTERM,
-                new_process_group=True,
-            )
+            # PR_SET_PDEATHSIG follows the launching thread.  Signals held:
+            # a Ctrl-C must not come between its start and our record of it.
+            with _oscall.held_signals():
+                self.pid, self.pidfd = on_launcher_thread(
+                    _oscall.launch,
+                    sys.executable,
+                    argv,
+                    dict(os.environ),
+                    stdin=null,
+                    keep_fds=[theirs.fileno()],
+                    pdeathsig=signal.SIGTERM,
+                    new_process_group=True,
+                )
+        except BaseException:
+            mine.close()
+            raise
         finally:
             theirs.close()
             os.close(null)
@@ -840,19 +846,31 @@ class ServerClient:
         self.owner = os.getpid()
         self.lock = threading.Lock()
         self.dead = threading.Event()
+        # Set (under ``lock``) by close(): a launch that comes after finds
+        # it, rather than a closed socket or a pidfd number reused since.
+        self.closed = False
         # Process groups of launches whose workers may still run (as the
         # zygote names them); added by the launcher, dropped when joined.
         self.groups: set[int] = set()
-        hello = {
-            "preparation": _worker.preparation_data("fastspawn-zygote"),
-            "preload": list(preload),
-        }
-        # The authkey inside pickles only while "spawning", as for spawn.
-        self.control.sendall(_pickling.dumps([hello], _pickling.FdCollector()))
-        self.watcher = threading.Thread(
-            target=self._watch, name="fastspawn-zygote-watch", daemon=True
-        )
-        _oscall.start_quiet_thread(self.watcher)
+        try:
+            hello = {
+                "preparation": _worker.preparation_data("fastspawn-zygote"),
+                "preload": list(preload),
+            }
+            # The authkey inside pickles only while "spawning", as for spawn.
+            self.control.sendall(_pickling.dumps([hello], _pickling.FdCollector()))
+            self.watcher = threading.Thread(
+                target=self._watch, name="fastspawn-zygote-watch", daemon=True
+            )
+            _oscall.start_quiet_thread(self.watcher)
+        except BaseException:
+            # No one will hold this zygote: stop it now (a Ctrl-C while the
+            # main module's preparation data is gathered, say).
+            self.control.close()
+            _oscall.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            _oscall.pidfd_wait(self.pidfd, nohang=False)
+            os.close(self.pidfd)
+            raise
 
     def process_state_now(self) -> dict[str, Any]:
         """The caller's umask, CPU affinity, nice value and resource limits
@@ -916,7 +934,11 @@ class ServerClient:
         """Stop the zygote (EOF on its control socket) and reap it."""
         if os.getpid() != self.owner:
             return
-        self.control.close()
+        with self.lock:
+            if self.closed:
+                return  # once: the pidfd's number may be another fd's now
+            self.closed = True
+            self.control.close()
         self.dead.wait(30)
         if not self.dead.is_set():  # pragma: no cover - a wedged zygote
             os.kill(self.pid, signal.SIGKILL)

@@ -125,14 +125,20 @@ class Warden:
             argv = [sys.executable, "-I", "-S", __file__, str(theirs.fileno()), str(os.getpid())]
             # No PR_SET_PDEATHSIG: it must outlive us.  A group of its own,
             # so that a terminal's signals for our job do not reach it.
-            self.pid, self.pidfd = _oscall.launch(
-                sys.executable,
-                argv,
-                dict(os.environ),
-                stdin=null,
-                keep_fds=[theirs.fileno()],
-                new_process_group=True,
-            )
+            # Signals held: a Ctrl-C must not come between its start and our
+            # record of it.
+            with _oscall.held_signals():
+                self.pid, self.pidfd = _oscall.launch(
+                    sys.executable,
+                    argv,
+                    dict(os.environ),
+                    stdin=null,
+                    keep_fds=[theirs.fileno()],
+                    new_process_group=True,
+                )
+        except BaseException:
+            mine.close()
+            raise
         finally:
             theirs.close()
             os.close(null)

@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 
 import pytest
 import workers
-from helpers import alive_after, gone, kill_driver
+from helpers import alive_after, gone, kill_driver, run_script
 
 import fastspawn
 
@@ -141,6 +141,31 @@ def test_warden_killed_is_replaced():
     (second,) = fastspawn._launch.warden_process()[0]
     assert second != first
     assert not gone(second)
+
+
+def test_ignored_sigchld_is_a_clear_error_for_fork_and_spawn(tmp_path):
+    # With SIGCHLD ignored the kernel reaps our children itself: their exit
+    # statuses are gone (waitid said ECHILD, deep in join).  The zygote's
+    # workers are the zygote's children, so that method works.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import signal, sys
+        sys.path.insert(0, sys.argv[1])
+        import fastspawn, workers
+        if __name__ == "__main__":
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+            for method in ("fork", "spawn"):
+                try:
+                    fastspawn.start_processes(workers.succeed, nprocs=2, start_method=method)
+                except RuntimeError as exc:
+                    print(method, "SIG_IGN" in str(exc), "SIG_DFL" in str(exc))
+            print(fastspawn.start_processes(workers.succeed, nprocs=2).return_values)
+        """,
+        command=[sys.executable, str(tmp_path / "main.py"), TESTS],
+    )
+    assert done.stdout == "fork True True\nspawn True True\n{0: 0, 1: 1}\n", done.stderr
+    assert "Traceback" not in done.stderr  # nothing left to shut down at exit
 
 
 def test_warden_leaves_with_its_caller_and_kills_nothing_live(tmp_path):

@@ -19,6 +19,8 @@ from helpers import alive_after, gone, run_script
 import fastspawn
 from fastspawn import _context, _launch, elastic
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
 
 def zygote_fd_targets() -> list[str]:
     zygote = _launch.get_server()
@@ -160,9 +162,82 @@ def test_every_rank_may_start_a_session(start_method):
         assert _children(zygote) == []
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn"])
+@pytest.mark.parametrize("from_thread", [False, True])
+def test_workers_and_helpers_start_with_no_signal_blocked(start_method, from_thread):
+    # Launches hold signals (a Ctrl-C must not come between a worker's start
+    # and its record); what they start must not inherit that mask, or it
+    # would never see a SIGTERM (and the zygote no PR_SET_PDEATHSIG).
+    fastspawn.stop_zygote()  # its start is under test too
+    result: list[fastspawn.ProcessContext] = []
+    if from_thread:  # through fastspawn's launcher thread
+        thread = threading.Thread(
+            target=lambda: result.append(
+                fastspawn.start_processes(
+                    workers.blocked_signals, nprocs=2, start_method=start_method
+                )
+            )
+        )
+        thread.start()
+        thread.join(60)
+    else:
+        result.append(
+            fastspawn.start_processes(workers.blocked_signals, nprocs=2, start_method=start_method)
+        )
+    assert result[0].return_values == {0: 0, 1: 0}
+    helpers = _launch.helper_processes()[0] | _launch.warden_process()[0]
+    assert helpers
+    assert {pid: workers.blocked_signals_of(pid) for pid in helpers} == dict.fromkeys(helpers, 0)
+
+
 def _children(pid: int) -> list[str]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return f.read().split()
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn"])
+def test_interrupt_anywhere_in_a_launch_leaves_nothing(tmp_path, start_method):
+    # KeyboardInterrupt (from an interval timer, at random points) raised
+    # between a worker's start and its record used to leave it running,
+    # unknown to every cleanup, with its pidfd open; and at the zygote's
+    # start, a zygote no one held.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import os, random, signal, sys, time
+        sys.path.insert(0, sys.argv[1])
+        import fastspawn, workers
+        from fastspawn import _launch
+
+        def ours():
+            kids = open(f"/proc/self/task/{os.getpid()}/children").read().split()
+            helpers = _launch.helper_processes()[0] | _launch.warden_process()[0]
+            return sorted(int(k) for k in kids if int(k) not in helpers)
+
+        if __name__ == "__main__":
+            method = sys.argv[2]
+            signal.signal(signal.SIGALRM, signal.default_int_handler)
+            fds = len(os.listdir("/proc/self/fd"))
+            interrupted = 0
+            for i in range(30):
+                if method == "zygote" and i % 3 == 0:
+                    fastspawn.stop_zygote()  # interrupt its start too
+                signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.03))
+                try:
+                    fastspawn.start_processes(
+                        workers.sleep_for, (1.0,), nprocs=8, start_method=method)
+                except KeyboardInterrupt:
+                    interrupted += 1
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            fastspawn.stop_zygote()
+            time.sleep(0.2)
+            extra = len(os.listdir("/proc/self/fd")) - fds - len(_launch.warden_process()[1])
+            print(interrupted > 0, ours(), extra)
+        """,
+        command=[sys.executable, str(tmp_path / "main.py"), TESTS, start_method],
+    )
+    assert done.stdout == "True [] 0\n", done.stderr[-3000:]
 
 
 def test_forked_child_leaves_the_parents_workers_alone():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -73,6 +74,61 @@ def test_sigkill_of_zygote_kills_workers_and_their_children():
         assert line.startswith("raised ProcessExitedException"), line
     finally:
         kill_driver(driver)
+
+
+def test_stop_zygote_while_another_thread_launches():
+    # stop_zygote() closed the control socket under a launch's send (a raw
+    # EBADF), and the pidfd under its retry.  A launch it interrupts may
+    # fail as its workers' zygote went away; nothing else.
+    failures: list[str] = []
+    launched = 0
+    stop = threading.Event()
+
+    def launcher() -> None:
+        nonlocal launched
+        while not stop.is_set():
+            try:
+                fastspawn.start_processes(workers.succeed, nprocs=1)
+                launched += 1
+            except fastspawn.ProcessExitedException:
+                pass  # its worker went with the stopped zygote
+            except RuntimeError as exc:
+                if "the zygote died during the launch" not in str(exc):
+                    failures.append(repr(exc))
+            except Exception as exc:
+                failures.append(repr(exc))
+
+    thread = threading.Thread(target=launcher)
+    thread.start()
+    try:
+        rng = random.Random(7)
+        for _ in range(30):
+            time.sleep(rng.uniform(0, 0.05))
+            fastspawn.stop_zygote()
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert failures == []
+    assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
+
+
+def test_zygote_closes_what_it_opened_under_dev_mode(tmp_path):
+    # -X dev reports every socket left to the garbage collector: the
+    # zygote (which inherits the flag) left its control socket so.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import fastspawn, workers
+        if __name__ == "__main__":
+            print(fastspawn.start_processes(workers.succeed, nprocs=2).return_values)
+        """,
+        command=[sys.executable, "-X", "dev", str(tmp_path / "main.py"), TESTS],
+    )
+    assert done.stdout == "{0: 0, 1: 1}\n", done.stderr
+    assert "ResourceWarning" not in done.stderr, done.stderr
 
 
 def test_caller_sees_zygote_death_and_recovers(caplog):

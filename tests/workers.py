@@ -266,6 +266,19 @@ def leave_group_or_raise(rank: int) -> None:
     raise ValueError("rank 0 fails")
 
 
+def blocked_signals(rank: int) -> int:
+    """This process's blocked-signal mask, as the kernel has it."""
+    return blocked_signals_of(os.getpid())
+
+
+def blocked_signals_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16)
+    raise AssertionError("no SigBlk line")
+
+
 def lead_a_session(rank: int) -> bool:
     """Start a session of its own, as a daemonizing worker does: whether
     it now leads it."""
