@@ -190,6 +190,47 @@ def test_workers_and_helpers_start_with_no_signal_blocked(start_method, from_thr
     assert {pid: workers.blocked_signals_of(pid) for pid in helpers} == dict.fromkeys(helpers, 0)
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn"])
+def test_dropped_unjoined_contexts_are_reaped_at_the_next_launch(start_method):
+    # Contexts started with join=False and dropped stayed live until exit,
+    # holding their fds (and "fork" zombies): a loop of such launches ran out
+    # of fds.  Finished ones are collected at each launch, as multiprocessing
+    # reaps its finished children at each start.
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    fastspawn.start_processes(workers.succeed, nprocs=2, start_method=start_method)
+    before = fds()
+    children = set(_children(os.getpid()))  # the zygote, warden, resource tracker
+    for _ in range(40):
+        fastspawn.start_processes(workers.succeed, nprocs=2, start_method=start_method, join=False)
+        time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while _context._live_contexts:  # each launch collects what finished by then
+        assert time.monotonic() < deadline, _context._live_contexts
+        fastspawn.start_processes(workers.succeed, nprocs=1, start_method=start_method)
+        time.sleep(0.05)
+    assert fds() <= before
+    assert set(_children(os.getpid())) <= children  # no "fork" zombie either
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn"])
+def test_context_collected_by_a_later_launch_still_reports(start_method):
+    ctx = fastspawn.start_processes(
+        workers.fail_one_or_return, nprocs=3, start_method=start_method, join=False
+    )
+    deadline = time.monotonic() + 30
+    while ctx in _context._live_contexts:
+        assert time.monotonic() < deadline
+        fastspawn.start_processes(workers.succeed, nprocs=1, start_method=start_method)
+        time.sleep(0.05)
+    assert [proc.exitcode for proc in ctx.processes] == [0, 1, 0]
+    with pytest.raises(fastspawn.ProcessRaisedException, match="rank 1 fails"):
+        ctx.join()
+    assert ctx.join()
+    assert ctx.return_values == {0: 0, 2: 2}
+
+
 def _children(pid: int) -> list[str]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return f.read().split()

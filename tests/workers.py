@@ -28,6 +28,13 @@ def raise_on(rank: int, bad_rank: int, sleep: float = 1.0) -> None:
     time.sleep(sleep)
 
 
+def fail_one_or_return(rank: int) -> int:
+    """Rank 1 raises at once; the others return their rank."""
+    if rank == 1:
+        raise ValueError("rank 1 fails")
+    return rank
+
+
 def raise_after_random_sleep(rank: int) -> None:
     time.sleep(random.random() / 10)
     raise ValueError(f"legitimate exception from process {rank}")
