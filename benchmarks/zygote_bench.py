@@ -230,8 +230,9 @@ def failure(rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         deadline = time.monotonic() + 2.0  # every rank is up by then
         ctx = fastspawn.start_processes(zw.fail_one, (200, deadline, value), nprocs=256, join=False)
-        zygote_pids, _ = _launch.helper_processes()
-        sizes["zygote_anonymous_kib"] = smaps_rollup(next(iter(zygote_pids)))["Anonymous"]
+        zygote = _launch.zygote_pid()
+        assert zygote is not None
+        sizes["zygote_anonymous_kib"] = smaps_rollup(zygote)["Anonymous"]
         try:
             while not ctx.join(grace_period=0):
                 pass
@@ -320,7 +321,8 @@ def torch_scenario(rounds: int) -> dict[str, Any]:
             finally:
                 del os.environ["FASTSPAWN_HUGEPAGES"]
             time.sleep(2.0)
-            (zygote,) = _launch.helper_processes()[0]
+            zygote = _launch.zygote_pid()
+            assert zygote is not None
             huge_kib[kind].append(smaps_rollup(zygote)["AnonHugePages"])
             t0 = time.monotonic()
             fastspawn.spawn(torch_workers.entry_time, nprocs=64)

@@ -385,29 +385,6 @@ class ProcessContext:
         _launch.forget_groups(self._watched_groups)
         _live_contexts.discard(self)
 
-    def _collect_if_done(self) -> None:
-        """If every worker has exited, reap them all and free every fd,
-        keeping what a later join() reports: its failures, one per call, and
-        the return values.  What multiprocessing does for finished children
-        at each new start, so that contexts started with ``join=False`` and
-        dropped do not hold their fds (and "fork" zombies) until exit.  For
-        a context nobody is joining (the caller holds ``_join_lock``)."""
-        if self._waiter is None or running_among(self.processes):
-            return
-        now = time.monotonic()
-        for proc in self.processes:
-            proc._poll(now)  # a zygote worker's status may still be on its way
-        if any(proc._exitcode is None for proc in self.processes):
-            return  # the next launch looks again
-        self._receiver.drain()
-        errors = self._receiver.reports.errors
-        self._unreported = [
-            proc.rank for proc in self.processes if proc.rank in errors or proc.exitcode != 0
-        ]
-        self._failed = bool(self._unreported)
-        self._pending.clear()
-        self._finish()
-
     def _shutdown_at_exit(self) -> None:
         """What multiprocessing does at interpreter exit: terminate daemonic
         workers, wait for the others."""
@@ -577,12 +554,6 @@ def launch_context(request: _launch.LaunchRequest, join: bool = False) -> Proces
     """Start the workers of a checked request (and with ``join``, join
     them); nothing is left on failure.  A Ctrl-C anywhere in here, the
     moment a launch ends included, kills every worker started."""
-    for live in list(_live_contexts):
-        if live._join_lock.acquire(blocking=False):
-            try:
-                live._collect_if_done()
-            finally:
-                live._join_lock.release()
     started: _launch.Started = []
     context = receiver = tx = None
     try:

@@ -172,6 +172,9 @@ def _reset_after_fork() -> None:
     _warden = None
     _warden_lock = threading.RLock()
     _watched = set()
+    # A fork inside held_signals() (a "fork" worker's) leaves that block
+    # behind: what this process launches gets its own mask, not the parent's.
+    _oscall._outside.mask = None
     # ...and it may have held these at the fork: fresh ones, no old jobs.
     _jobs.clear()
     _jobs_ready = threading.Condition()
@@ -229,11 +232,35 @@ def _payload_memfd(data: bytes) -> int:
 # ------------------------------------------------------------------- methods
 
 
+def _foreground_on_a_terminal() -> bool:
+    """Whether this process's group is the foreground job of its
+    controlling terminal."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return False  # no controlling terminal
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _new_group(req: LaunchRequest) -> int:
-    """A process group for a fork or spawn launch, named to the warden.  Its
-    anchor, in ``req.anchor``, is for the caller's ``finally`` to release
-    (_release_anchor) once the ranks have joined: call this inside the
-    ``try``, so that an interrupt delivered as it returns is cleaned up too."""
+    """A process group for a fork or spawn launch, named to the warden, or
+    0 for none.  Its anchor, in ``req.anchor``, is for the caller's
+    ``finally`` to release (_release_anchor) once the ranks have joined:
+    call this inside the ``try``, so that an interrupt delivered as it
+    returns is cleaned up too.
+
+    None when the caller is the foreground job of a terminal: a group of
+    their own would be a background job there, stopped (SIGTTOU) by a write
+    under ``stty tostop`` or by any change of the terminal's modes (getpass),
+    where multiprocessing's workers, in the caller's group, are not.  There
+    the workers stay in the caller's group, and a Ctrl-C reaches them too."""
+    if _foreground_on_a_terminal():
+        return 0
     with _oscall.held_signals():  # an anchor no one knows of stays a zombie
         group = req.anchor = req.group = _oscall.group_anchor()
         req.watched_groups = [group]
@@ -275,10 +302,11 @@ def _launch_fork(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: S
                 if pid == 0:
                     signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
                     _in_fork_worker(req, rank, parent, tx, rx, group, channel, match_threads)
-                try:
-                    os.setpgid(pid, group)
-                except (PermissionError, ProcessLookupError):
-                    pass  # it did already, and may have moved on
+                if group:
+                    try:
+                        os.setpgid(pid, group)
+                    except (PermissionError, ProcessLookupError):
+                        pass  # it did already, and may have moved on
                 try:
                     pidfd = _oscall.pidfd_open(pid)
                 except BaseException:
@@ -307,10 +335,11 @@ def _in_fork_worker(
 ) -> NoReturn:
     # Set in both processes, as shells do, so that neither order of running
     # leaves a gap.
-    try:
-        os.setpgid(0, group)
-    except OSError:
-        pass  # the parent did; or a stranger reaped the anchor
+    if group:
+        try:
+            os.setpgid(0, group)
+        except OSError:
+            pass  # the parent did; or a stranger reaped the anchor
     _worker.forked_child(
         rank,
         parent,
@@ -418,7 +447,10 @@ def get_server() -> ServerClient:
     global _server
     with _server_lock:
         if _server is not None and not _server.alive():
-            log.warning("fastspawn: the zygote (pid %d) died; starting a new one", _server.pid)
+            log.warning(
+                "fastspawn: the zygote (pid %d) died; starting a new one",
+                _server.zygote_pid(0) or _server.pid,
+            )
             _server.close()
             _server = None
         if _server is None:
@@ -696,13 +728,24 @@ def forget_groups(groups: Sequence[int]) -> None:
 
 
 def helper_processes() -> tuple[set[int], set[int]]:
-    """(pids, fds) of fastspawn's long-lived helpers in this process: the fork
-    server and its control socket.  Leak checks leave these alone."""
+    """(pids, fds) of fastspawn's long-lived helpers in this process: the
+    zygote (and its guard) and its control socket.  Leak checks leave these
+    alone."""
     server = _server
     if server is None or server.owner != os.getpid():
         return set(), set()
-    fds = {server.control.fileno(), server.pidfd} - {-1}
-    return {server.pid}, fds
+    fds = {server.control.fileno(), server.pidfd, server.zygote_fd} - {-1}
+    zygote = server.zygote_pid()
+    return {server.pid} | ({zygote} if zygote is not None else set()), fds
+
+
+def zygote_pid() -> int | None:
+    """The pid of this process's zygote proper (the workers' parent; its
+    guard is the process this one started), if one runs."""
+    server = _server
+    if server is None or server.owner != os.getpid():
+        return None
+    return server.zygote_pid()
 
 
 def warden_process() -> tuple[set[int], set[int]]:

@@ -59,7 +59,7 @@ if sys.version_info >= (3, 11):
     import ast  # noqa: F401
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, NoReturn
 
 
 # The arenas' region is placed before the zygote imports anything else.
@@ -220,10 +220,10 @@ def _children_of(pid: int) -> set[int]:
 
 
 class _Zygote:
-    def __init__(self, control: socket.socket, parent: int) -> None:
+    def __init__(self, control: socket.socket, parent: int, parent_fd: int) -> None:
         self.control = control
         self.me = os.getpid()
-        self.parent_fd = _oscall.pidfd_open(parent)
+        self.parent_fd = parent_fd
         # multiprocessing.parent_process() is the caller, here and so in
         # every worker (made once: each worker making its own would copy
         # the pages that takes); its sentinel is our pidfd of the caller,
@@ -233,8 +233,6 @@ class _Zygote:
         process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
             "MainProcess", parent, self.parent_fd
         )
-        if os.getppid() != parent:
-            raise SystemExit(0)  # the caller died before we could watch it
         _oscall.set_child_subreaper()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.signal(signal.SIGCHLD, _on_sigchld)
@@ -762,15 +760,73 @@ def _failure_of(exc: BaseException) -> tuple[str, Any]:
     )
 
 
+def _guard(zygote: int) -> NoReturn:
+    """The process the caller started, once it has forked the zygote proper:
+    wait for it; once it is gone, kill what it left.
+
+    The zygote is a child subreaper, so a worker's orphaned descendants come
+    to it, and it kills them; had it been SIGKILLed, they would go to init,
+    out of everyone's reach (the launch's process group reaches only those
+    still in it, not a daemon that started a session of its own).  As the
+    zygote's parent and a subreaper itself, this process adopts them then,
+    and kills them until no child is left.  The zygote has
+    PR_SET_PDEATHSIG(SIGTERM) against it: if this one is SIGKILLed, the
+    zygote shuts down in order, adopting and killing the same way.
+    """
+    zygote_fd = _oscall.pidfd_open(zygote)  # ours and unreaped: no reuse
+
+    def pass_on(signum: int, frame: Any) -> None:
+        try:
+            _oscall.pidfd_send_signal(zygote_fd, signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, pass_on)  # PR_SET_PDEATHSIG: the caller died
+    while True:
+        pid, status = os.waitpid(-1, 0)  # retried after pass_on (PEP 475)
+        if pid == zygote:
+            break
+    me = os.getpid()
+    while True:
+        for child in _children_of(me):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
+
+
 def main() -> None:
     """Entry of the zygote process: ``python -c ... <control fd> <caller pid>``."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    control = socket.socket(fileno=int(sys.argv[1]))
+    # A caller that ignores SIGCHLD passed that on through exec: the kernel
+    # would reap our children, and the guard's wait and ours find none.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    control_fd = int(sys.argv[1])
     parent = int(sys.argv[2])
+    parent_fd = _oscall.pidfd_open(parent)
+    if os.getppid() != parent:
+        return  # the caller died before we could watch it (the pidfd may be another's)
+    # This process stays behind as the zygote's guard (see _guard); the
+    # zygote proper is its child.
+    _oscall.set_child_subreaper()
+    guard = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(control_fd)
+        os.close(parent_fd)
+        _guard(pid)
+    _oscall.set_pdeathsig(signal.SIGTERM, guard)  # ProcessLookupError: gone already
+    control = socket.socket(fileno=control_fd)
     zygote = None
     try:
-        zygote = _Zygote(control, parent)
+        zygote = _Zygote(control, parent, parent_fd)
         # The first message: the caller's spawn preparation data and preloads.
         data = control.recv(_MAX_HEADER)
         if not data:
@@ -849,6 +905,8 @@ class ServerClient:
         # Set (under ``lock``) by close(): a launch that comes after finds
         # it, rather than a closed socket or a pidfd number reused since.
         self.closed = False
+        self._zygote_pid: int | None = None  # see zygote_pid()
+        self.zygote_fd = -1  # the watcher's pidfd of it
         # Process groups of launches whose workers may still run (as the
         # zygote names them); added by the launcher, dropped when joined.
         self.groups: set[int] = set()
@@ -872,6 +930,19 @@ class ServerClient:
             os.close(self.pidfd)
             raise
 
+    def zygote_pid(self, timeout: float = 10.0) -> int | None:
+        """The pid of the zygote proper, the workers' parent: the only child
+        of the process we started (its guard), once it has forked it.  None
+        if it did not appear in ``timeout`` seconds (or is gone)."""
+        if self._zygote_pid is None:
+            deadline = time.monotonic() + timeout
+            while not (children := _children_of(self.pid)):
+                if time.monotonic() > deadline or self.dead.is_set():
+                    return None
+                time.sleep(0.001)
+            self._zygote_pid = min(children)
+        return self._zygote_pid
+
     def process_state_now(self) -> dict[str, Any]:
         """The caller's umask, CPU affinity, nice value and resource limits
         that differ from the zygote's (what it had when the zygote started)."""
@@ -882,8 +953,28 @@ class ServerClient:
         and their children) before reaping it, so the id cannot be reused."""
         from fastspawn._process import wait_readable
 
+        # A pidfd of the zygote proper, opened while its guard (our child,
+        # alive, unreaped) lists it as its child: the pid is still its.
+        zygote = self.zygote_pid()
+        if zygote is not None:
+            try:
+                fd = _oscall.pidfd_open(zygote)
+            except OSError:
+                fd = -1
+            if fd >= 0 and zygote not in _children_of(self.pid):
+                os.close(fd)
+                fd = -1
+            self.zygote_fd = fd
         while not wait_readable([self.pidfd], None):
             pass
+        if self.zygote_fd >= 0:
+            # The guard died first (SIGKILLed): the zygote, told by
+            # PR_SET_PDEATHSIG, stops every worker and adopts and kills their
+            # children, daemons too.  Let it, before the groups' SIGKILL
+            # takes it and leaves those to init.
+            wait_readable([self.zygote_fd], 5.0)
+            os.close(self.zygote_fd)
+            self.zygote_fd = -1
         with self.lock:
             groups = [self.pid, *self.groups]
         for group in groups:
@@ -901,10 +992,11 @@ class ServerClient:
         """In a process forked from the owner: close the copies of the
         zygote's control socket and pidfd, which are not ours."""
         self.control.close()
-        try:
-            os.close(self.pidfd)
-        except OSError:
-            pass
+        for fd in (self.pidfd, self.zygote_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def alive(self) -> bool:
         """Whether the zygote runs.  Its pidfd is checked directly: the

@@ -31,11 +31,6 @@ TYPE_CHECKING = False  # not typing's: importing typing costs the warden
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-# How long an EOF on the control socket waits for the caller's pidfd: a
-# caller that dies closes its fds shortly before its exit shows there.
-_EOF_PATIENCE = 2.0
-
-
 stopped = False  # the caller said "stop": its EOF that follows kills nothing
 
 
@@ -103,12 +98,13 @@ def main() -> None:
         if not _drain(control, groups):
             if stopped:
                 return
-            # EOF unasked: the caller is dying, or its socket was closed
-            # under it.  Only its exit makes the groups ours to kill;
-            # otherwise they live on without us (the caller starts a new
-            # warden when it next needs one).
-            if select.select([pidfd], [], [], _EOF_PATIENCE)[0]:
-                _kill(groups)
+            # EOF unasked: the caller is dying, or exec'd another program
+            # (the socket is close-on-exec; its workers run on, as its
+            # children), or had the socket closed under it.  The groups
+            # named are still unfinished launches: kill them when its pid
+            # exits, as ever.
+            select.select([pidfd], [], [])
+            _kill(groups)
             return
 
 
@@ -171,12 +167,19 @@ class Warden:
         """Stop the warden (it kills nothing) and reap it."""
         if os.getpid() != self.owner:
             return
+        from fastspawn import _oscall
+
         try:
             self.send(["stop"])
         except OSError:
-            pass  # gone, or stuck: the EOF alone ends it
+            # Gone, or not reading: without "stop" it would wait for our
+            # exit to kill what it was told of, which is no longer its to
+            # kill (a new warden has it).
+            try:
+                _oscall.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.control.close()
-        from fastspawn import _oscall
 
         try:
             _oscall.pidfd_wait(self.pidfd, nohang=False)

@@ -30,12 +30,16 @@ def start(fn, args=(), nprocs=1, start_method="spawn", **kwargs):
 
 
 def run_driver(code: str, *args: str) -> subprocess.Popen[str]:
+    """A caller of its own, in a session of its own: no terminal, so that
+    fork and spawn launches get a process group (and warden) as in a batch
+    job, whether the tests run from a terminal or not."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
+        start_new_session=True,
     )
 
 
@@ -128,7 +132,84 @@ def test_replaced_warden_watches_earlier_launches_too():
     assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_caller_that_execs_still_takes_its_workers_children(start_method):
+    # exec closes the warden's (close-on-exec) socket while the pid lives
+    # on: the warden took that EOF for a harmless close and left, and the
+    # workers' children outlived the exec'd program.
+    driver = run_driver(
+        """
+        import multiprocessing, os, sys, fastspawn, workers
+        queue = multiprocessing.get_context("spawn").SimpleQueue()
+        ctx = fastspawn.start_processes(
+            workers.start_sleeper_child, (queue,), nprocs=2, join=False, start_method=sys.argv[1])
+        pids = [pid for _ in range(2) for pid in queue.get()]
+        print(" ".join(map(str, pids)), flush=True)
+        os.execv("/bin/sleep", ["sleep", "3"])  # longer than the old 2 s patience
+        """,
+        start_method,
+    )
+    try:
+        assert driver.stdout is not None
+        pids = [int(word) for word in driver.stdout.readline().split()]
+        assert len(pids) == 4
+        assert driver.wait(timeout=60) == 0
+    finally:
+        kill_driver(driver)
+    alive = alive_after(pids)
+    assert alive == [], f"alive 1 s after the exec'd caller exited: {alive}"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_foreground_job_on_a_terminal_keeps_its_workers_in_its_group(tmp_path, start_method):
+    # On a terminal a group of the workers' own is a background job, which
+    # `stty tostop` (or a worker changing the terminal's modes) stops with
+    # SIGTTOU, hanging the join.  A foreground caller keeps them in its own
+    # group, as multiprocessing does; elsewhere they get one of their own.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import os, pty, sys
+        sys.path.insert(0, sys.argv[1])
+        import fastspawn, workers
+
+        def groups():
+            method = sys.argv[2]
+            ctx = fastspawn.start_processes(workers.process_group, nprocs=2, start_method=method)
+            mine = os.getpgrp()
+            return sorted("caller's" if g == mine else "own" for g in ctx.return_values.values())
+
+        if __name__ == "__main__":
+            print("no terminal:", groups(), flush=True)
+            pid, master = pty.fork()  # the child leads a session on a new terminal
+            if pid == 0:
+                os.system("stty tostop")
+                print("foreground:", groups(), flush=True)
+                os._exit(0)
+            out = b""
+            while True:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # EIO: the terminal's last user left
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            os.waitpid(pid, 0)
+            os.close(master)
+            print(out.decode().replace(chr(13), "").strip())
+        """,
+        command=[sys.executable, str(tmp_path / "main.py"), TESTS, start_method],
+    )
+    assert done.stdout.splitlines() == [
+        "no terminal: ['own', 'own']",
+        'foreground: ["caller\'s", "caller\'s"]',
+    ], done.stderr
+
+
 def test_warden_killed_is_replaced():
+    if fastspawn._launch._foreground_on_a_terminal():
+        pytest.skip("a foreground job on a terminal starts no warden")
     ctx = start(workers.sleep_for, (0.2,), nprocs=2, start_method="fork")
     (first,) = fastspawn._launch.warden_process()[0]
     os.kill(first, signal.SIGKILL)

@@ -26,8 +26,7 @@ def test_patch_torch_routes_spawn_to_fastspawn(patched):
         fastspawn.ProcessExitedException
     )
     ctx = torch_mp.spawn(workers.pid_and_ppid, nprocs=2)
-    zygote_pids, _ = fastspawn._launch.helper_processes()
-    assert {ppid for _pid, ppid in ctx.return_values.values()} == zygote_pids
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == {fastspawn._launch.zygote_pid()}
 
 
 def test_patched_exceptions_are_catchable_by_torch_names(patched):

@@ -27,12 +27,13 @@ import multiprocessing, sys, time, fastspawn, workers
 from fastspawn import _launch
 queue = multiprocessing.get_context("spawn").SimpleQueue()
 ctx = fastspawn.start_processes(
-    workers.start_sleeper_child, (queue,), nprocs=16, join=False, start_method="zygote")
+    workers.start_sleeper_child, (queue, sys.argv[1] == "daemons"), nprocs=16, join=False,
+    start_method="zygote")
 pids = []
 for _ in range(16):
     pids.extend(queue.get())
-zygote = next(iter(_launch.helper_processes()[0]))
-print(zygote, " ".join(map(str, pids)), flush=True)
+(guard,) = _launch.helper_processes()[0] - {_launch.zygote_pid()}
+print(guard, _launch.zygote_pid(), " ".join(map(str, pids)), flush=True)
 try:
     while not ctx.join():
         pass
@@ -44,31 +45,43 @@ time.sleep(600)
 """
 
 
-def start_driver() -> tuple[subprocess.Popen[str], int, list[int]]:
+def start_driver(daemons: bool = False) -> tuple[subprocess.Popen[str], int, int, list[int]]:
+    """A caller whose 16 zygote workers each have a sleeping child (and with
+    ``daemons``, one more in a session of its own): (driver, the zygote's
+    guard, the zygote, every worker's and child's pid)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
     driver = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(DRIVER)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", textwrap.dedent(DRIVER), "daemons" if daemons else "plain"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert driver.stdout is not None
-    zygote, *pids = (int(word) for word in driver.stdout.readline().split())
-    assert len(pids) == 32
+    guard, zygote, *pids = (int(word) for word in driver.stdout.readline().split())
+    assert len(pids) == (48 if daemons else 32)
     assert not any(gone(pid) for pid in pids)
-    return driver, zygote, pids
+    return driver, guard, zygote, pids
 
 
-def test_sigkill_of_caller_kills_workers_and_their_children():
-    driver, zygote, pids = start_driver()
+@pytest.mark.parametrize("daemons", [False, True])
+def test_sigkill_of_caller_kills_workers_and_their_children(daemons):
+    driver, guard, zygote, pids = start_driver(daemons)
     kill_driver(driver)
-    alive = alive_after(pids + [zygote])
+    alive = alive_after(pids + [guard, zygote])
     assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
 
 
-def test_sigkill_of_zygote_kills_workers_and_their_children():
-    driver, zygote, pids = start_driver()
+# The zygote proper (the workers' parent), and the process the caller
+# started, which stays behind as its guard: SIGKILL of either leaves nothing,
+# daemons (a worker's child in a session of its own) included.
+@pytest.mark.parametrize("victim", ["zygote", "guard"])
+@pytest.mark.parametrize("daemons", [False, True])
+def test_sigkill_of_zygote_kills_workers_and_their_children(victim, daemons):
+    driver, guard, zygote, pids = start_driver(daemons)
     try:
-        os.kill(zygote, signal.SIGKILL)
-        alive = alive_after(pids)
-        assert alive == [], f"alive 1 s after SIGKILL of the zygote: {alive}"
+        os.kill(zygote if victim == "zygote" else guard, signal.SIGKILL)
+        alive = alive_after(pids + [guard, zygote])
+        assert alive == [], f"alive 1 s after SIGKILL of the {victim}: {alive}"
         assert driver.stdout is not None
         line = driver.stdout.readline()  # the caller raised rather than hung
         assert line.startswith("raised ProcessExitedException"), line
@@ -133,7 +146,7 @@ def test_zygote_closes_what_it_opened_under_dev_mode(tmp_path):
 
 def test_caller_sees_zygote_death_and_recovers(caplog):
     ctx = fastspawn.start_processes(workers.sleep_forever, nprocs=4, join=False)
-    (zygote,) = _launch.helper_processes()[0]
+    zygote = _launch.zygote_pid()
     os.kill(zygote, signal.SIGKILL)
     began = time.monotonic()
     with pytest.raises(fastspawn.ProcessExitedException, match="SIGKILL"):
@@ -180,8 +193,7 @@ def test_workers_are_children_of_the_zygote_and_thread_free():
     finally:
         stop.set()
         busy.join()
-    zygote_pids, _ = _launch.helper_processes()
-    assert {ppid for _pid, ppid in ctx.return_values.values()} == zygote_pids
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == {_launch.zygote_pid()}
     assert threads.return_values == {0: 1, 1: 1}
 
 
@@ -266,7 +278,7 @@ def test_caller_cwd_reaches_workers(tmp_path, monkeypatch):
 
 def test_zygote_ignores_terminal_interrupt():
     _launch.get_server()
-    (zygote,) = _launch.helper_processes()[0]
+    zygote = _launch.zygote_pid()
     os.kill(zygote, signal.SIGINT)
     time.sleep(0.2)
     assert not gone(zygote)
@@ -327,7 +339,7 @@ def test_main_module_that_exits_at_import_exits_every_rank_so(tmp_path):
 
 def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatch):
     _launch.get_server()
-    (zygote,) = _launch.helper_processes()[0]
+    zygote = _launch.zygote_pid()
     server = _launch._server
     os.kill(zygote, signal.SIGKILL)
     server.dead.wait(30)  # the zygote is gone: its control socket is closed
@@ -341,7 +353,7 @@ def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatc
     monkeypatch.setattr(_server.ServerClient, "alive", stale_once)
     ctx = fastspawn.start_processes(workers.succeed, nprocs=2)
     assert ctx.return_values == {0: 0, 1: 1}
-    assert calls[0] == zygote and len(calls) >= 2
+    assert calls[0] == server.pid and len(calls) >= 2
 
 
 def _anon_huge_kib(pid: int) -> int:
@@ -362,7 +374,7 @@ def test_idle_zygote_collapses_its_heap_into_huge_pages():
     # second launch that imports a module queues the heap again.
     for module in ("big_heap", "preload_probe"):
         fastspawn.start_processes(workers.succeed, nprocs=1, preload=[module])
-        (zygote,) = _launch.helper_processes()[0]
+        zygote = _launch.zygote_pid()
         deadline = time.monotonic() + 10
         while _anon_huge_kib(zygote) == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -380,7 +392,7 @@ def test_idle_zygote_collapses_its_heap_into_huge_pages():
 def test_zygote_places_its_arenas_in_one_aligned_region_before_its_imports():
     fastspawn.stop_zygote()
     ctx = fastspawn.start_processes(workers.arena_region, nprocs=2, preload=["big_heap"])
-    (zygote,) = _launch.helper_processes()[0]
+    zygote = _launch.zygote_pid()
     regions = set(ctx.return_values.values())
     assert len(regions) == 1  # inherited by every worker
     ((base, size, used),) = regions
@@ -409,7 +421,7 @@ def test_hugepages_opt_out(monkeypatch):
     fastspawn.stop_zygote()
     try:
         fastspawn.start_processes(workers.succeed, nprocs=1, preload=["big_heap"])
-        (zygote,) = _launch.helper_processes()[0]
+        zygote = _launch.zygote_pid()
         time.sleep(1.0)  # idle time in which it would have collapsed
         assert _anon_huge_kib(zygote) == 0
         ctx = fastspawn.start_processes(workers.arena_region, nprocs=1)

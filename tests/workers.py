@@ -28,13 +28,6 @@ def raise_on(rank: int, bad_rank: int, sleep: float = 1.0) -> None:
     time.sleep(sleep)
 
 
-def fail_one_or_return(rank: int) -> int:
-    """Rank 1 raises at once; the others return their rank."""
-    if rank == 1:
-        raise ValueError("rank 1 fails")
-    return rank
-
-
 def raise_after_random_sleep(rank: int) -> None:
     time.sleep(random.random() / 10)
     raise ValueError(f"legitimate exception from process {rank}")
@@ -151,12 +144,15 @@ def pid_and_ppid(rank: int) -> tuple[int, int]:
     return os.getpid(), os.getppid()
 
 
-def start_sleeper_child(rank: int, queue: Any) -> None:
-    """Start a child of our own (a grandchild of the caller), report, sleep."""
+def start_sleeper_child(rank: int, queue: Any, daemon: bool = False) -> None:
+    """Start a child of our own (a grandchild of the caller), and with
+    ``daemon`` one more in a session of its own; report, sleep."""
     import subprocess
 
-    child = subprocess.Popen(["sleep", "600"])
-    queue.put((os.getpid(), child.pid))
+    pids = [os.getpid(), subprocess.Popen(["sleep", "600"]).pid]
+    if daemon:
+        pids.append(subprocess.Popen(["sleep", "600"], start_new_session=True).pid)
+    queue.put(tuple(pids))
     time.sleep(600)
 
 
@@ -284,6 +280,17 @@ def blocked_signals_of(pid: int) -> int:
             if line.startswith("SigBlk:"):
                 return int(line.split()[1], 16)
     raise AssertionError("no SigBlk line")
+
+
+def mask_seen_by_nested_spawn(rank: int) -> int:
+    """Block SIGUSR1, then launch a "spawn" worker: the mask it starts with."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    ctx = fastspawn.start_processes(blocked_signals, nprocs=1, start_method="spawn")
+    return int(ctx.return_values[0])
+
+
+def process_group(rank: int) -> int:
+    return os.getpgrp()
 
 
 def lead_a_session(rank: int) -> bool:
