@@ -936,10 +936,14 @@ class ServerClient:
         if it did not appear in ``timeout`` seconds (or is gone)."""
         if self._zygote_pid is None:
             deadline = time.monotonic() + timeout
+            pause = 0.001
             while not (children := _children_of(self.pid)):
                 if time.monotonic() > deadline or self.dead.is_set():
                     return None
-                time.sleep(0.001)
+                # Backing off: the zygote's start is what this waits for,
+                # and it needs the CPU more than this loop does.
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
             self._zygote_pid = min(children)
         return self._zygote_pid
 
