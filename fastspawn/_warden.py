@@ -158,6 +158,16 @@ class Warden:
                     keep_fds=[theirs.fileno()],
                     new_process_group=True,
                 )
+        except OSError as exc:
+            mine.close()
+            # Named, or a fork launch (which runs no program of its own)
+            # fails with a bare ENOENT for sys.executable.
+            raise type(exc)(
+                exc.errno,
+                f"fastspawn: could not start the warden ({sys.executable!r} -I -S), which "
+                f"kills a fork or spawn launch's leftovers should this process die: "
+                f"{exc.strerror}; point sys.executable at a Python interpreter",
+            ) from exc
         except BaseException:
             mine.close()
             raise

@@ -258,6 +258,17 @@ def test_warden_killed_is_replaced():
     assert not gone(second)
 
 
+def test_warden_that_cannot_start_is_a_clear_error(monkeypatch):
+    # A "fork" launch runs no program but the warden: without an interpreter
+    # at sys.executable (an embedding application) it failed with a bare
+    # "No such file or directory (from fs_launch): ''".
+    from fastspawn import _warden
+
+    monkeypatch.setattr(sys, "executable", "")
+    with pytest.raises(FileNotFoundError, match="could not start the warden.*sys.executable"):
+        _warden.Warden()
+
+
 def test_ignored_sigchld_is_a_clear_error_for_fork_and_spawn(tmp_path):
     # With SIGCHLD ignored the kernel reaps our children itself: their exit
     # statuses are gone (waitid said ECHILD, deep in join).  The zygote's
