@@ -258,7 +258,10 @@ def _new_group(req: LaunchRequest) -> int:
     their own would be a background job there, stopped (SIGTTOU) by a write
     under ``stty tostop`` or by any change of the terminal's modes (getpass),
     where multiprocessing's workers, in the caller's group, are not.  There
-    the workers stay in the caller's group, and a Ctrl-C reaches them too."""
+    the workers stay in the caller's group, and a Ctrl-C reaches them too.
+    A background job's get a group (and a warden, against an OOM kill of a
+    `nohup ... &` run): there a worker stopped by SIGTTOU stays stopped when
+    `fg` continues the job (README, "Where fastspawn differs")."""
     if _foreground_on_a_terminal():
         return 0
     with _oscall.held_signals():  # an anchor no one knows of stays a zombie

@@ -16,7 +16,8 @@ library alone, no site, no fastspawn import, so it starts in a few ms.  The
 caller talks to it over an inherited socketpair: ``+<pgid>`` names a group,
 ``-<pgid>`` drops one whose workers are all reaped, ``stop`` ends it
 (space-separated, several in one message).  A group still named when the
-caller dies is killed; one dropped never is.
+caller dies is killed; one dropped never is, nor one found gone meanwhile:
+its id is free, and may come back as a stranger's group.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 stopped = False  # the caller said "stop": its EOF that follows kills nothing
+PRUNE_S = 1.0  # how often the groups named are checked for any gone
 
 
 def _apply(groups: set[int], data: bytes) -> None:
@@ -57,6 +59,23 @@ def _drain(control: socket.socket, groups: set[int]) -> bool:
         if not data:
             return False
         _apply(groups, data)
+
+
+def _prune(groups: set[int]) -> None:
+    """Drop the groups that no longer exist.  A group's id stays taken while
+    any member does, reaped or not; once the last is gone, a new process may
+    get that id as its pid and lead a group of it, which a kill of the old
+    name would hit.  The caller drops a launch's group as it reaps the last
+    worker, but cannot always: after an exec the workers live on, and the
+    program it became reaps them (a shell does) knowing nothing of us.  (An
+    empty group never fills again: only an existing group can be joined.)"""
+    for group in list(groups):
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            groups.discard(group)
+        except PermissionError:
+            pass  # not ours to signal, nor to kill: _kill finds the same
 
 
 def _kill(groups: Iterable[int]) -> None:
@@ -90,7 +109,10 @@ def main() -> None:
     poller.register(control, select.POLLIN)
     poller.register(pidfd, select.POLLIN)
     while True:
-        ready = {fd for fd, _event in poller.poll()}
+        ready = {fd for fd, _event in poller.poll(int(PRUNE_S * 1000) if groups else None)}
+        if not ready:
+            _prune(groups)
+            continue
         if pidfd in ready:
             _drain(control, groups)
             _kill(groups)
@@ -102,9 +124,13 @@ def main() -> None:
             # (the socket is close-on-exec; its workers run on, as its
             # children), or had the socket closed under it.  The groups
             # named are still unfinished launches: kill them when its pid
-            # exits, as ever.
-            select.select([pidfd], [], [])
-            _kill(groups)
+            # exits, as ever.  Nothing tells us of them any more: those that
+            # end are dropped as they go, and with none left we are done.
+            while groups:
+                if select.select([pidfd], [], [], PRUNE_S)[0]:
+                    _kill(groups)
+                    return
+                _prune(groups)
             return
 
 
@@ -132,6 +158,16 @@ class Warden:
                     keep_fds=[theirs.fileno()],
                     new_process_group=True,
                 )
+        except OSError as exc:
+            mine.close()
+            # Named, or a fork launch (which runs no program of its own)
+            # fails with a bare ENOENT for sys.executable.
+            raise type(exc)(
+                exc.errno,
+                f"fastspawn: could not start the warden ({sys.executable!r} -I -S), which "
+                f"kills a fork or spawn launch's leftovers should this process die: "
+                f"{exc.strerror}; point sys.executable at a Python interpreter",
+            ) from exc
         except BaseException:
             mine.close()
             raise

@@ -161,6 +161,40 @@ def test_caller_that_execs_still_takes_its_workers_children(start_method):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_warden_drops_groups_that_end_after_the_caller_execs(start_method):
+    # After an exec nothing tells the warden that a launch ended: the
+    # program the caller became reaps its workers (a shell does) and runs
+    # on.  The group's id is then free for a stranger's group, which the
+    # warden killed when that program exited.  It drops groups found gone
+    # (and, with none left, leaves).
+    driver = run_driver(
+        """
+        import os, sys, fastspawn, workers
+        from fastspawn import _launch
+        ctx = fastspawn.start_processes(
+            workers.succeed, nprocs=2, join=False, start_method=sys.argv[1])
+        (warden,) = _launch.warden_process()[0]
+        print(warden, flush=True)
+        reap = "import os, sys, time; [os.waitpid(int(p), 0) for p in sys.argv[1:]]; "
+        reap += "print('reaped', flush=True); time.sleep(60)"
+        os.execv(sys.executable, [sys.executable, "-c", reap, *map(str, ctx.pids())])
+        """,
+        start_method,
+    )
+    try:
+        assert driver.stdout is not None
+        warden = int(driver.stdout.readline())
+        assert driver.stdout.readline() == "reaped\n"
+        deadline = time.monotonic() + 10
+        while not gone(warden):
+            assert time.monotonic() < deadline, "the warden still holds the freed group ids"
+            time.sleep(0.05)
+        assert driver.poll() is None
+    finally:
+        kill_driver(driver)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_foreground_job_on_a_terminal_keeps_its_workers_in_its_group(tmp_path, start_method):
     # On a terminal a group of the workers' own is a background job, which
     # `stty tostop` (or a worker changing the terminal's modes) stops with
@@ -222,6 +256,17 @@ def test_warden_killed_is_replaced():
     (second,) = fastspawn._launch.warden_process()[0]
     assert second != first
     assert not gone(second)
+
+
+def test_warden_that_cannot_start_is_a_clear_error(monkeypatch):
+    # A "fork" launch runs no program but the warden: without an interpreter
+    # at sys.executable (an embedding application) it failed with a bare
+    # "No such file or directory (from fs_launch): ''".
+    from fastspawn import _warden
+
+    monkeypatch.setattr(sys, "executable", "")
+    with pytest.raises(FileNotFoundError, match="could not start the warden.*sys.executable"):
+        _warden.Warden()
 
 
 def test_ignored_sigchld_is_a_clear_error_for_fork_and_spawn(tmp_path):
