@@ -437,6 +437,12 @@ class _Zygote:
             else:
                 payload_error = self.prepare_failure[1]
         except BaseException:
+            if _terminating:
+                # Our own SIGTERM (the guard died), landed in an import or
+                # the unpickling: shut down, not a payload error for the
+                # workers while the zygote serves on.
+                tx.close()
+                raise
             payload_error = traceback.format_exc()
         finally:
             self.reclaim_signals()  # imports and unpickling ran user code
