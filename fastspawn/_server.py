@@ -945,14 +945,20 @@ class ServerClient:
         of the process we started (its guard), once it has forked it.  None
         if it did not appear in ``timeout`` seconds (or is gone)."""
         if self._zygote_pid is None:
+            from fastspawn._process import wait_readable
+
             deadline = time.monotonic() + timeout
             pause = 0.001
             while not (children := _children_of(self.pid)):
                 if time.monotonic() > deadline or self.dead.is_set():
                     return None
                 # Backing off: the zygote's start is what this waits for,
-                # and it needs the CPU more than this loop does.
-                time.sleep(pause)
+                # and it needs the CPU more than this loop does.  The guard's
+                # exit ends the wait (killed before it forked, or its start
+                # failed): no zygote comes then, and the watcher, which
+                # waits here first, must go on to reap it.
+                if wait_readable([self.pidfd], pause):
+                    return None
                 pause = min(pause * 2, 0.02)
             self._zygote_pid = min(children)
         return self._zygote_pid

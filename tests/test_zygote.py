@@ -154,6 +154,20 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
     assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
 
 
+def test_guard_killed_before_it_forks_the_zygote_is_seen_at_once(monkeypatch):
+    # The caller's watcher first waits for the guard to fork the zygote
+    # proper; a guard SIGKILLed before that (here: one that never forks)
+    # held it there for its 10 s deadline, and every launch meanwhile
+    # (alive() waits for the watcher) with it.
+    fastspawn.stop_zygote()
+    monkeypatch.setattr(_server, "_ENTRY", "import time; time.sleep(60)")
+    server = _launch.get_server()
+    monkeypatch.undo()
+    os.kill(server.pid, signal.SIGKILL)
+    assert server.dead.wait(5), "the watcher did not see the guard die"
+    assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
+
+
 def test_stop_zygote_while_another_thread_launches():
     # stop_zygote() closed the control socket under a launch's send (a raw
     # EBADF), and the pidfd under its retry.  A launch it interrupts may
