@@ -993,8 +993,6 @@ class ServerClient:
             # children, daemons too.  Let it, before the groups' SIGKILL
             # takes it and leaves those to init.
             wait_readable([self.zygote_fd], 5.0)
-            os.close(self.zygote_fd)
-            self.zygote_fd = -1
         with self.lock:
             groups = [self.pid, *self.groups]
         for group in groups:
@@ -1002,6 +1000,16 @@ class ServerClient:
                 os.killpg(group, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if self.zygote_fd >= 0:
+            # A caller that is a child subreaper (or a container's init)
+            # adopted the zygote as its guard died: reap it (it is in the
+            # guard's group, killed above), or it stays a zombie here.
+            try:
+                _oscall.pidfd_wait(self.zygote_fd, nohang=False)
+            except ChildProcessError:
+                pass  # not ours: init's, or the guard reaped it
+            os.close(self.zygote_fd)
+            self.zygote_fd = -1
         try:
             _oscall.pidfd_wait(self.pidfd, nohang=False)
         except ChildProcessError:

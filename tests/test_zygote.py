@@ -168,6 +168,44 @@ def test_guard_killed_before_it_forks_the_zygote_is_seen_at_once(monkeypatch):
     assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
 
 
+def test_caller_that_is_a_subreaper_reaps_the_zygote_its_guard_left(tmp_path):
+    # A child subreaper (or a container's init, pid 1) adopts the zygote
+    # when its guard dies; the zygote then shut down and stayed a zombie
+    # of the caller's for good.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import ctypes, os, signal, sys, time
+        sys.path.insert(0, sys.argv[1])
+        import psutil
+        import fastspawn, workers
+        from fastspawn import _launch
+
+        if __name__ == "__main__":
+            PR_SET_CHILD_SUBREAPER = 36
+            assert ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+            ctx = fastspawn.start_processes(workers.sleep_forever, nprocs=2, join=False)
+            zygote = _launch.zygote_pid()
+            os.kill(_launch._server.pid, signal.SIGKILL)  # the guard
+            try:
+                while not ctx.join(timeout=30):
+                    pass
+            except fastspawn.ProcessExitedException:
+                print("raised")
+            assert _launch._server.dead.wait(30)
+            deadline = time.monotonic() + 5
+            while psutil.pid_exists(zygote) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("zygote left:", psutil.pid_exists(zygote))
+        """,
+        command=[sys.executable, str(tmp_path / "main.py"), TESTS],
+    )
+    assert done.stdout.splitlines() == [
+        "raised",
+        "zygote left: False",
+    ], done.stdout + done.stderr
+
+
 def test_stop_zygote_while_another_thread_launches():
     # stop_zygote() closed the control socket under a launch's send (a raw
     # EBADF), and the pidfd under its retry.  A launch it interrupts may
