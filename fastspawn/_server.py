@@ -437,6 +437,12 @@ class _Zygote:
             else:
                 payload_error = self.prepare_failure[1]
         except BaseException:
+            if _terminating:
+                # Our own SIGTERM (the guard died), landed in an import or
+                # the unpickling: shut down, not a payload error for the
+                # workers while the zygote serves on.
+                tx.close()
+                raise
             payload_error = traceback.format_exc()
         finally:
             self.reclaim_signals()  # imports and unpickling ran user code
@@ -939,14 +945,20 @@ class ServerClient:
         of the process we started (its guard), once it has forked it.  None
         if it did not appear in ``timeout`` seconds (or is gone)."""
         if self._zygote_pid is None:
+            from fastspawn._process import wait_readable
+
             deadline = time.monotonic() + timeout
             pause = 0.001
             while not (children := _children_of(self.pid)):
                 if time.monotonic() > deadline or self.dead.is_set():
                     return None
                 # Backing off: the zygote's start is what this waits for,
-                # and it needs the CPU more than this loop does.
-                time.sleep(pause)
+                # and it needs the CPU more than this loop does.  The guard's
+                # exit ends the wait (killed before it forked, or its start
+                # failed): no zygote comes then, and the watcher, which
+                # waits here first, must go on to reap it.
+                if wait_readable([self.pidfd], pause):
+                    return None
                 pause = min(pause * 2, 0.02)
             self._zygote_pid = min(children)
         return self._zygote_pid
@@ -981,8 +993,6 @@ class ServerClient:
             # children, daemons too.  Let it, before the groups' SIGKILL
             # takes it and leaves those to init.
             wait_readable([self.zygote_fd], 5.0)
-            os.close(self.zygote_fd)
-            self.zygote_fd = -1
         with self.lock:
             groups = [self.pid, *self.groups]
         for group in groups:
@@ -990,6 +1000,16 @@ class ServerClient:
                 os.killpg(group, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        if self.zygote_fd >= 0:
+            # A caller that is a child subreaper (or a container's init)
+            # adopted the zygote as its guard died: reap it (it is in the
+            # guard's group, killed above), or it stays a zombie here.
+            try:
+                _oscall.pidfd_wait(self.zygote_fd, nohang=False)
+            except ChildProcessError:
+                pass  # not ours: init's, or the guard reaped it
+            os.close(self.zygote_fd)
+            self.zygote_fd = -1
         try:
             _oscall.pidfd_wait(self.pidfd, nohang=False)
         except ChildProcessError:

@@ -89,6 +89,123 @@ def test_sigkill_of_zygote_kills_workers_and_their_children(victim, daemons):
         kill_driver(driver)
 
 
+def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypatch):
+    # The guard's death reaches the zygote as SIGTERM, raised as SystemExit
+    # wherever it runs.  Landing in a launch's unpickling (an import), it
+    # passed for the payload's error: the zygote served on, the launch's
+    # workers reported that SystemExit as theirs, and the caller's watcher
+    # SIGKILLed the zygote 5 s later, leaving the workers' daemons to init.
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    importing = tmp_path / "importing"
+    (tmp_path / "slow_in_the_zygote.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\ntime.sleep(60)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ctx = fastspawn.start_processes(
+        workers.start_daemon_and_sleep, (str(folder),), nprocs=2, join=False
+    )
+    pids: list[int] = []
+    outcome: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            fastspawn.start_processes(
+                workers.module_name,
+                (workers.ImportedWhereUnpickled("slow_in_the_zygote"),),
+                nprocs=2,
+            )
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=launch)
+    try:
+        deadline = time.monotonic() + 30
+        while len(os.listdir(folder)) < 2:
+            assert time.monotonic() < deadline, "the workers did not start their daemons"
+            time.sleep(0.05)
+        for name in os.listdir(folder):
+            pids += map(int, (folder / name).read_text().split())
+        zygote = _launch.zygote_pid()
+        assert zygote is not None
+        (guard,) = _launch.helper_processes()[0] - {zygote}
+        thread.start()
+        while not importing.exists():
+            assert time.monotonic() < deadline + 30, "the zygote did not start the import"
+            time.sleep(0.05)
+        os.kill(guard, signal.SIGKILL)
+        alive = alive_after(pids + [zygote], 2.0)
+        assert alive == [], f"alive 2 s after SIGKILL of the guard: {alive}"
+        thread.join(30)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+        assert "the zygote died during the launch" in str(outcome[0])
+        with pytest.raises(fastspawn.ProcessExitedException):
+            while not ctx.join(timeout=30):
+                pass
+    finally:
+        for pid in pids:  # daemons left to init, not ours to reap
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        thread.join(60)
+        sys.modules.pop("slow_in_the_zygote", None)
+    assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
+
+
+def test_guard_killed_before_it_forks_the_zygote_is_seen_at_once(monkeypatch):
+    # The caller's watcher first waits for the guard to fork the zygote
+    # proper; a guard SIGKILLed before that (here: one that never forks)
+    # held it there for its 10 s deadline, and every launch meanwhile
+    # (alive() waits for the watcher) with it.
+    fastspawn.stop_zygote()
+    monkeypatch.setattr(_server, "_ENTRY", "import time; time.sleep(60)")
+    server = _launch.get_server()
+    monkeypatch.undo()
+    os.kill(server.pid, signal.SIGKILL)
+    assert server.dead.wait(5), "the watcher did not see the guard die"
+    assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
+
+
+def test_caller_that_is_a_subreaper_reaps_the_zygote_its_guard_left(tmp_path):
+    # A child subreaper (or a container's init, pid 1) adopts the zygote
+    # when its guard dies; the zygote then shut down and stayed a zombie
+    # of the caller's for good.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import ctypes, os, signal, sys, time
+        sys.path.insert(0, sys.argv[1])
+        import psutil
+        import fastspawn, workers
+        from fastspawn import _launch
+
+        if __name__ == "__main__":
+            PR_SET_CHILD_SUBREAPER = 36
+            assert ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+            ctx = fastspawn.start_processes(workers.sleep_forever, nprocs=2, join=False)
+            zygote = _launch.zygote_pid()
+            os.kill(_launch._server.pid, signal.SIGKILL)  # the guard
+            try:
+                while not ctx.join(timeout=30):
+                    pass
+            except fastspawn.ProcessExitedException:
+                print("raised")
+            assert _launch._server.dead.wait(30)
+            deadline = time.monotonic() + 5
+            while psutil.pid_exists(zygote) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("zygote left:", psutil.pid_exists(zygote))
+        """,
+        command=[sys.executable, str(tmp_path / "main.py"), TESTS],
+    )
+    assert done.stdout.splitlines() == [
+        "raised",
+        "zygote left: False",
+    ], done.stdout + done.stderr
+
+
 def test_stop_zygote_while_another_thread_launches():
     # stop_zygote() closed the control socket under a launch's send (a raw
     # EBADF), and the pidfd under its retry.  A launch it interrupts may

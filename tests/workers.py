@@ -156,6 +156,36 @@ def start_sleeper_child(rank: int, queue: Any, daemon: bool = False) -> None:
     time.sleep(600)
 
 
+def start_daemon_and_sleep(rank: int, folder: str) -> None:
+    """Start a child in a session of its own (a daemon), write our pid and
+    its pid to ``folder``/``rank``, sleep."""
+    import subprocess
+
+    daemon = subprocess.Popen(["sleep", "600"], start_new_session=True).pid
+    path = os.path.join(folder, str(rank))
+    with open(path + ".part", "w") as f:
+        f.write(f"{os.getpid()} {daemon}")
+    os.replace(path + ".part", path)
+    time.sleep(600)
+
+
+class ImportedWhereUnpickled:
+    """An argument that imports module ``name`` where it is unpickled (in
+    the zygote, for a zygote launch), not where it is pickled."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> Any:
+        import importlib
+
+        return (importlib.import_module, (self.name,))
+
+
+def module_name(rank: int, module: Any) -> str:
+    return str(module.__name__)
+
+
 def leave_sleeper_child(rank: int) -> int:
     """Start a child and return without waiting for it."""
     import subprocess
