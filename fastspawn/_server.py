@@ -223,6 +223,26 @@ def _children_of(pid: int) -> set[int]:
     return children
 
 
+def _kill_children(me: int) -> None:
+    """SIGKILL and reap this process's children, ``me`` being its pid, until
+    none is left: as a subreaper it adopts the orphans of those it kills,
+    daemons included, and kills them in the next round."""
+    while True:
+        try:
+            children = _children_of(me)
+        except OSError:
+            children = set()  # out of fds: reaping below frees some for the next round
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 class _Zygote:
     def __init__(self, control: socket.socket, parent: int, parent_fd: int) -> None:
         self.control = control
@@ -673,20 +693,7 @@ class _Zygote:
             launch.drop_outbox()
             launch.tx.close()
         self.channels.clear()
-        while True:
-            try:
-                children = _children_of(self.me)
-            except OSError:
-                children = set()  # reaping below frees fds for the next round
-            for pid in children:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                return
+        _kill_children(self.me)
 
 
 _ZYGOTE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
@@ -796,17 +803,7 @@ def _guard(zygote: int) -> NoReturn:
         pid, status = os.waitpid(-1, 0)  # retried after pass_on (PEP 475)
         if pid == zygote:
             break
-    me = os.getpid()
-    while True:
-        for child in _children_of(me):
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
+    _kill_children(os.getpid())
     code = os.waitstatus_to_exitcode(status)
     os._exit(code if code >= 0 else 128 - code)
 
