@@ -23,7 +23,7 @@ Variants (all import fastspawn's C core, for MADV_COLLAPSE):
              MADV_COLLAPSE or huge pages are not available)
   zygote     shaped as the zygote shapes itself: object arenas placed in
              one aligned region first (fastspawn._hugepages), then its
-             imports (fastspawn._server, multiprocessing.spawn), gc.freeze()
+             imports (fastspawn._zygote, multiprocessing.spawn), gc.freeze()
              and the huge-page collapse of its idle time
   zygote-unplaced  the same without placing the arenas
 Slopes per child come from each variant's difference to ``bare``.
@@ -76,7 +76,7 @@ def _prepare(variant: str) -> list[object]:
         import gc
         import multiprocessing.spawn  # noqa: F401
 
-        import fastspawn._server  # noqa: F401
+        import fastspawn._zygote  # noqa: F401
 
         gc.freeze()
         if _hugepages.wanted():

@@ -29,8 +29,8 @@ _WHERE = {
     "ProcessException": "fastspawn._errors",
     "ProcessExitedException": "fastspawn._errors",
     "ProcessRaisedException": "fastspawn._errors",
-    "preload": "fastspawn._launch",
-    "stop_zygote": "fastspawn._launch",
+    "preload": "fastspawn._zygote_client",
+    "stop_zygote": "fastspawn._zygote_client",
     "Process": "fastspawn._process",
     "patch_torch": "fastspawn._torch",
     "unpatch_torch": "fastspawn._torch",
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
         ProcessExitedException,
         ProcessRaisedException,
     )
-    from fastspawn._launch import preload
-    from fastspawn._launch import stop_server as stop_zygote
     from fastspawn._process import Process
     from fastspawn._torch import patch_torch, unpatch_torch
+    from fastspawn._zygote_client import preload
+    from fastspawn._zygote_client import stop_server as stop_zygote

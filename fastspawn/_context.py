@@ -16,20 +16,22 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
-from fastspawn import _launch, _oscall
+from fastspawn import _launch, _oscall, _zygote_client
 from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
     ProcessExitedException,
     ProcessRaisedException,
     signal_name,
 )
+from fastspawn._methods import registry
+from fastspawn._methods.base import StartMethod
 from fastspawn._pickling import describe_unpicklable
 from fastspawn._process import Process, running_among, wait_readable
 
 log = logging.getLogger(__name__)
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
-DEFAULT_START_METHOD = _launch.DEFAULT_START_METHOD
+DEFAULT_START_METHOD = registry.DEFAULT
 
 # paddle.distributed.spawn options that it deprecated: accepted with a warning.
 _DEPRECATED_OPTIONS = (
@@ -441,7 +443,7 @@ def _at_exit() -> None:
             ctx._shutdown_at_exit()
         except Exception:
             log.exception("fastspawn: could not shut down %r at exit", ctx)
-    _launch.stop_server()
+    _zygote_client.stop_server()
 
 
 # -------------------------------------------------------------------- checks
@@ -497,7 +499,7 @@ def _check_envs(envs: Any, nprocs: int) -> dict[int, dict[str, str]]:
     return checked
 
 
-def _check_preload(preload: Any, start_method: str) -> list[str]:
+def _check_preload(preload: Any, method: StartMethod) -> list[str]:
     if preload is None:
         return []
     if isinstance(preload, str) or not isinstance(preload, (list, tuple)):
@@ -505,10 +507,9 @@ def _check_preload(preload: Any, start_method: str) -> list[str]:
     for name in preload:
         if not isinstance(name, str) or not name:
             raise TypeError(f"preload must be a list of module names; {name!r} is not one")
-    if start_method not in ("zygote", "forkserver"):
-        raise ValueError(
-            f"preload applies to start_method 'zygote' or 'forkserver', not {start_method!r}"
-        )
+    if not method.supports_preload:
+        applies = " or ".join(repr(m.name) for m in registry.methods() if m.supports_preload)
+        raise ValueError(f"preload applies to start_method {applies}, not {method.name!r}")
     return list(preload)
 
 
@@ -566,9 +567,10 @@ def launch_context(request: _launch.LaunchRequest, join: bool = False) -> Proces
             if tx is not None:
                 tx.close()
         with _oscall.held_signals():  # the workers pass to the context whole
+            reaped_here = request.method.caller_reaps
             processes = [
-                Process(rank, pid, pidfd, receiver, is_child)
-                for rank, (pid, pidfd, is_child) in enumerate(started)
+                Process(rank, pid, pidfd, receiver, reaped_here)
+                for rank, (pid, pidfd) in enumerate(started)
             ]
             context = ProcessContext(
                 processes,
@@ -584,7 +586,7 @@ def launch_context(request: _launch.LaunchRequest, join: bool = False) -> Proces
         if context is None:
             # Interrupted as the launch ended, or out of fds for the epoll
             # set: the workers run, and nothing would watch them.
-            _launch.kill_started(started)
+            _launch.kill_started(started, reap=request.method.caller_reaps)
             _launch.forget_groups(request.watched_groups)
             if receiver is not None:
                 receiver.close()
@@ -647,14 +649,10 @@ def start_processes(
             f"{type(args).__name__} {args!r:.80}; for one argument write args=(x,)"
         )
     args = tuple(args)
-    if start_method not in _launch.START_METHODS:
-        raise ValueError(
-            f"unknown start_method {start_method!r}; choose one of "
-            + ", ".join(repr(m) for m in _launch.START_METHODS)
-        )
+    method = registry.get(start_method)
     checked_envs = _check_envs(envs, nprocs)
-    preload_list = _check_preload(preload, start_method)
-    if start_method in _launch.SPAWN_LIKE:
+    preload_list = _check_preload(preload, method)
+    if method.pickles_arguments:
         problem = describe_unpicklable(fn, args, start_method)
         if problem is not None:
             raise pickle.PicklingError(problem)
@@ -673,7 +671,7 @@ def start_processes(
             args=args,
             nprocs=nprocs,
             daemon=bool(daemon),
-            start_method=start_method,
+            method=method,
             envs=checked_envs,
             preload=preload_list,
         )
@@ -696,7 +694,7 @@ def spawn(
     other ``start_method`` warns (FutureWarning, as torch does) and the zygote
     is used.
     """
-    if start_method not in ("zygote", "spawn"):
+    if start_method not in [m.name for m in registry.methods() if m.spawn_accepts]:
         msg = (
             f"This method only supports start_method=spawn (got: {start_method}).\n"
             "To use a different start_method use:\n\t\t"

@@ -6,16 +6,21 @@ import logging
 import sys
 from typing import Any
 
-from fastspawn import _context, _errors, _launch
+from fastspawn import _context, _errors, _zygote_client
 
-_NAMES = {
-    "spawn": _context.spawn,
-    "start_processes": _context.start_processes,
-    "ProcessContext": _context.ProcessContext,
-    "SpawnContext": _context.SpawnContext,
-    "ProcessException": _errors.ProcessException,
-    "ProcessRaisedException": _errors.ProcessRaisedException,
-    "ProcessExitedException": _errors.ProcessExitedException,
+# What patch_torch() rebinds in torch.multiprocessing, by the names torch
+# gives them (each of ours bears the same name).
+_NAMES: dict[str, Any] = {
+    obj.__name__: obj
+    for obj in (
+        _context.spawn,
+        _context.start_processes,
+        _context.ProcessContext,
+        _context.SpawnContext,
+        _errors.ProcessException,
+        _errors.ProcessRaisedException,
+        _errors.ProcessExitedException,
+    )
 }
 
 _originals: dict[tuple[str, str], Any] = {}
@@ -57,7 +62,7 @@ def patch_torch(preload: bool = True) -> None:
             setattr(module, name, ours)
     _context.log = logging.getLogger(_TORCH_LOGGER)
     if preload:
-        _launch.preload(["torch"])
+        _zygote_client.preload(["torch"])
 
 
 def unpatch_torch() -> None:

@@ -13,6 +13,7 @@ the caller, and adopts its workers' orphans.)
 
 The warden runs this file as a script under ``python -I -S``: the standard
 library alone, no site, no fastspawn import, so it starts in a few ms.  The
+caller's side (its handle, the record of groups) is _warden_client.  The
 caller talks to it over an inherited socketpair: ``+<pgid>`` names a group,
 ``-<pgid>`` drops one whose workers are all reaped, ``stop`` ends it
 (space-separated, several in one message).  A group still named when the
@@ -132,96 +133,6 @@ def main() -> None:
                     return
                 _prune(groups)
             return
-
-
-class Warden:
-    """The caller's handle on its warden: the transport alone (which groups
-    to name is the launcher's record, see _launch.watch_group)."""
-
-    def __init__(self) -> None:
-        from fastspawn import _oscall
-
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            argv = [sys.executable, "-I", "-S", __file__, str(theirs.fileno()), str(os.getpid())]
-            # No PR_SET_PDEATHSIG: it must outlive us.  A group of its own,
-            # so that a terminal's signals for our job do not reach it.
-            # Signals held: a Ctrl-C must not come between its start and our
-            # record of it.
-            with _oscall.held_signals():
-                self.pid, self.pidfd = _oscall.launch(
-                    sys.executable,
-                    argv,
-                    dict(os.environ),
-                    stdin=null,
-                    keep_fds=[theirs.fileno()],
-                    new_process_group=True,
-                )
-        except OSError as exc:
-            mine.close()
-            # Named, or a fork launch (which runs no program of its own)
-            # fails with a bare ENOENT for sys.executable.
-            raise type(exc)(
-                exc.errno,
-                f"fastspawn: could not start the warden ({sys.executable!r} -I -S), which "
-                f"kills a fork or spawn launch's leftovers should this process die: "
-                f"{exc.strerror}; point sys.executable at a Python interpreter",
-            ) from exc
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-            os.close(null)
-        self.control = mine
-        self.owner = os.getpid()
-
-    def send(self, words: Iterable[str]) -> None:
-        """One message; OSError if the warden is gone (EPIPE: no SIGPIPE on
-        a SOCK_SEQPACKET socket) or not keeping up."""
-        self.control.send(" ".join(words).encode(), socket.MSG_DONTWAIT)
-
-    def alive(self) -> bool:
-        """Whether it runs (reaping it if not)."""
-        from fastspawn import _oscall
-
-        try:
-            return _oscall.pidfd_wait(self.pidfd, nohang=True) is None
-        except ChildProcessError:
-            return False
-
-    def forget_in_child(self) -> None:
-        """In a process forked from the owner: close our copies."""
-        self.control.close()
-        try:
-            os.close(self.pidfd)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        """Stop the warden (it kills nothing) and reap it."""
-        if os.getpid() != self.owner:
-            return
-        from fastspawn import _oscall
-
-        try:
-            self.send(["stop"])
-        except OSError:
-            # Gone, or not reading: without "stop" it would wait for our
-            # exit to kill what it was told of, which is no longer its to
-            # kill (a new warden has it).
-            try:
-                _oscall.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.control.close()
-
-        try:
-            _oscall.pidfd_wait(self.pidfd, nohang=False)
-        except ChildProcessError:
-            pass
-        os.close(self.pidfd)
 
 
 if __name__ == "__main__":

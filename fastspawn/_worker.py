@@ -421,84 +421,143 @@ def _match_torch_threads() -> None:
         pass  # a torch without these: nothing to match
 
 
+class ForkSpec:
+    """What every rank of one forked launch (start method fork, or the
+    zygote's) shares, built once before the fork loop.
+
+    Attributes:
+        parent: the pid that forks, recorded before the fork, for the
+            PR_SET_PDEATHSIG race check.
+        fn, args: what to run (fn None with ``payload_error``).
+        tx: the launch's report channel.
+        daemon: the workers are daemonic.
+        envs: ``{rank: {VAR: value}}`` applied before ``fn`` runs.
+        payload_error: the traceback of a failure to prepare fn and args
+            (in the zygote): every rank reports it instead of running.
+        close_fds: fds of the forking process no worker keeps.
+        stdin: -1 for /dev/null (function workers), None to keep fd 0, or
+            an fd to make fd 0 (binary ranks read the launcher's stdin).
+        process_state: the caller's settings that differ from this
+            process's (see _procstate).
+        from_zygote: forked from the zygote, not from the caller: the
+            worker's own atexit handlers run at its exit.  A zygote worker's
+            stdin (/dev/null) and ``multiprocessing.parent_process()`` (the
+            caller) are the zygote's already.
+        channel: ``channel_identity(tx)``.
+        match_torch_threads: ``torch_threads_to_match(envs)``, decided once
+            before forking (reading the environment in every worker, a
+            KeyError and all, cost 150 us a worker with torch loaded).
+    """
+
+    __slots__ = (
+        "parent",
+        "fn",
+        "args",
+        "tx",
+        "daemon",
+        "envs",
+        "payload_error",
+        "close_fds",
+        "stdin",
+        "process_state",
+        "from_zygote",
+        "channel",
+        "match_torch_threads",
+    )
+
+    def __init__(
+        self,
+        parent: int,
+        fn: Callable[..., Any] | None,
+        args: Sequence[Any],
+        tx: socket.socket,
+        *,
+        daemon: bool,
+        envs: Mapping[int, Mapping[str, str]],
+        payload_error: str | None = None,
+        close_fds: Sequence[int] = (),
+        stdin: int | None = -1,
+        process_state: dict[str, Any] | None = None,
+        from_zygote: bool = False,
+    ) -> None:
+        self.parent = parent
+        self.fn = fn
+        self.args = args
+        self.tx = tx
+        self.daemon = daemon
+        self.envs = envs
+        self.payload_error = payload_error
+        self.close_fds = close_fds
+        self.stdin = stdin
+        self.process_state = process_state
+        self.from_zygote = from_zygote
+        self.channel = channel_identity(tx)
+        self.match_torch_threads = torch_threads_to_match(envs)
+
+
 def forked_child(
+    spec: ForkSpec,
     rank: int,
-    parent: int,
-    fn: Callable[..., Any] | None,
-    args: Sequence[Any],
-    tx: socket.socket,
-    *,
-    daemon: bool,
-    rank_env: Mapping[str, str] | None = None,
-    payload_error: str | None = None,
-    close_fds: Sequence[int] = (),
     stdio: Sequence[int] | None = None,
-    stdin: int | None = -1,
-    process_state: dict[str, Any] | None = None,
-    from_zygote: bool = False,
-    channel: tuple[int, int] | None = None,
-    match_torch_threads: bool = False,
+    close_fds: Sequence[int] = (),
 ) -> NoReturn:
     """Entry of a worker right after fork(); never returns.
 
-    ``parent`` is the pid that forked us, recorded before the fork, for the
-    PR_SET_PDEATHSIG race check.  ``rank_env`` is applied to the environment
-    before ``fn`` runs.  ``stdio``: the fds to make fds 1 and 2 (-1: keep).
-    ``stdin``: -1 for /dev/null (function workers), None to keep fd 0, or
-    an fd to make fd 0 (binary ranks read the launcher's stdin).
-    ``process_state``: the caller's settings that differ from this
-    process's (see _procstate).  ``from_zygote``: forked from the zygote,
-    not from the caller: the worker's own atexit handlers run at its exit.
-    A zygote worker's stdin (/dev/null) and
-    ``multiprocessing.parent_process()`` (the caller) are the zygote's
-    already.  ``channel``:
-    ``channel_identity(tx)``, taken once before forking.
-    ``match_torch_threads``: from ``torch_threads_to_match``, decided once
-    before forking (reading the environment in every worker, a KeyError
-    and all, cost 150 us a worker with torch loaded).
+    ``stdio``: the fds to make this rank's fds 1 and 2 (-1: keep).
+    ``close_fds``: this rank's own fds to close beside ``spec.close_fds``
+    (other ranks' stdio, say).
     """
     code, signum = 1, 0
     try:
-        from fastspawn import _oscall  # loaded in the forking process already
-
-        try:
-            _oscall.set_pdeathsig(signal.SIGKILL, parent)
-        except ProcessLookupError:
-            os._exit(1)  # the parent died before prctl: nobody wants us
-        for fd in close_fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        if stdio is not None:
-            _redirect_stdio(stdio, flush=not from_zygote)
-        if stdin == -1 and not from_zygote:
-            quiet_stdin()
-        elif stdin is not None and stdin >= 0:
-            os.dup2(stdin, 0)
-            os.close(stdin)
-        if process_state:
-            from fastspawn import _procstate
-
-            _procstate.apply(process_state)
-        if rank_env:
-            os.environ.update(rank_env)
-        if match_torch_threads:
-            _match_torch_threads()
-        _after_fork(rank, daemon)
-        if not from_zygote:  # the zygote's is the caller already
-            _set_parent_process(parent)
-        if payload_error is not None:
-            _channel.send(tx, rank, _channel.ERROR, payload_error.encode("utf-8", "replace"))
+        _set_up_forked(spec, rank, stdio, close_fds)
+        if spec.payload_error is not None:
+            error = spec.payload_error.encode("utf-8", "replace")
+            _channel.send(spec.tx, rank, _channel.ERROR, error)
         else:
-            assert fn is not None
-            code, signum = run(rank, fn, args, tx, channel)
+            assert spec.fn is not None
+            code, signum = run(rank, spec.fn, spec.args, spec.tx, spec.channel)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
         print_exc()
     finally:
-        _finish(code, signum, "own" if from_zygote else "none")
+        _finish(code, signum, "own" if spec.from_zygote else "none")
+
+
+def _set_up_forked(
+    spec: ForkSpec, rank: int, stdio: Sequence[int] | None, close_fds: Sequence[int]
+) -> None:
+    """A forked worker's process set-up, before its fn runs."""
+    from fastspawn import _oscall  # loaded in the forking process already
+
+    try:
+        _oscall.set_pdeathsig(signal.SIGKILL, spec.parent)
+    except ProcessLookupError:
+        os._exit(1)  # the parent died before prctl: nobody wants us
+    for fd in (*spec.close_fds, *close_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if stdio is not None:
+        _redirect_stdio(stdio, flush=not spec.from_zygote)
+    if spec.stdin == -1 and not spec.from_zygote:
+        quiet_stdin()
+    elif spec.stdin is not None and spec.stdin >= 0:
+        os.dup2(spec.stdin, 0)
+        os.close(spec.stdin)
+    if spec.process_state:
+        from fastspawn import _procstate
+
+        _procstate.apply(spec.process_state)
+    rank_env = spec.envs.get(rank)
+    if rank_env:
+        os.environ.update(rank_env)
+    if spec.match_torch_threads:
+        _match_torch_threads()
+    _after_fork(rank, spec.daemon)
+    if not spec.from_zygote:  # the zygote's is the caller already
+        _set_parent_process(spec.parent)
 
 
 def preparation_data(name: str) -> dict[str, Any]:

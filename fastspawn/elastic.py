@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 from fastspawn import _context, _launch
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException, signal_name
+from fastspawn._methods import registry
 from fastspawn._tee import Tee
 
 log = logging.getLogger(__name__)
@@ -537,17 +538,17 @@ class PContext:
             }
             fn: Callable[..., Any] = exec_binary
             fn_args: tuple[Any, ...] = (self._binary_path, argvs)
-            method = _launch.DEFAULT_START_METHOD  # the zygote adopts orphans
+            method = registry.get(registry.DEFAULT)  # the zygote adopts orphans
         else:
             fn = run_function
             fn_args = (self.entrypoint, self.args)
-            method = self.start_method
+            method = registry.get(self.start_method)
         return _launch.LaunchRequest(
             fn=fn,
             args=fn_args,
             nprocs=self.nprocs,
             daemon=False,
-            start_method=method,
+            method=method,
             envs=self.envs,
             stdio=stdio,
             process_group=not isinstance(self.entrypoint, str),
@@ -733,7 +734,7 @@ def start_processes(
     args: Mapping[int, Sequence[Any]],
     envs: Mapping[int, Mapping[str, str]],
     log_dir: str | os.PathLike[str] | LogsSpecs | None = None,
-    start_method: str = _launch.DEFAULT_START_METHOD,
+    start_method: str = registry.DEFAULT,
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
     log_line_prefixes: Mapping[int, str] | None = None,
@@ -777,7 +778,10 @@ def start_processes(
             than the one the stream is written to.
         FileExistsError: a log file the ``LogsDest`` names exists already.
         FileNotFoundError, PermissionError: the binary cannot be found or run.
+        ValueError: an unknown ``start_method`` (the message lists the valid
+            ones).
     """
+    registry.get(start_method)  # before anything is made: an unknown one names the valid ones
     directory: str | None = None
     given = [x for x in (log_dir, logs_specs) if x is not None]
     if isinstance(log_dir, (str, os.PathLike)):

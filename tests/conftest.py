@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from fastspawn import _launch
+from fastspawn import _warden_client, _zygote_client
 
 START_METHODS = ["zygote", "fork", "spawn", "forkserver"]
 PATIENCE = 5.0  # seconds a test's processes get to go away by themselves
@@ -33,8 +33,8 @@ def _fds() -> dict[int, str]:
 
 
 def _helpers() -> tuple[set[int], set[int]]:
-    pids, fds = _launch.helper_processes()
-    warden_pids, warden_fds = _launch.warden_process()
+    pids, fds = _zygote_client.helper_processes()
+    warden_pids, warden_fds = _warden_client.warden_process()
     pids |= warden_pids
     fds |= warden_fds
     from multiprocessing import resource_tracker

@@ -20,6 +20,8 @@ import workers
 from helpers import alive_after, gone, kill_driver, run_script
 
 import fastspawn
+import fastspawn._methods.common
+from fastspawn import _warden_client
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SPAWN_CTX = multiprocessing.get_context("spawn")
@@ -67,14 +69,14 @@ def test_sigkill_of_parent_kills_every_worker(start_method):
 
 WARDEN_DRIVER = """
 import multiprocessing, sys, time, fastspawn, workers
-from fastspawn import _launch
+from fastspawn import _warden_client, _zygote_client
 queue = multiprocessing.get_context("spawn").SimpleQueue()
 ctx = fastspawn.start_processes(
     workers.start_sleeper_child, (queue,), nprocs=16, join=False, start_method=sys.argv[1])
 pids = []
 for _ in range(16):
     pids.extend(queue.get())
-(warden,) = _launch.warden_process()[0]
+(warden,) = _warden_client.warden_process()[0]
 print(warden, " ".join(map(str, pids)), flush=True)
 time.sleep(600)
 """
@@ -102,7 +104,7 @@ def test_replaced_warden_watches_earlier_launches_too():
     driver = run_driver(
         """
         import multiprocessing, os, signal, sys, time, fastspawn, workers
-        from fastspawn import _launch
+        from fastspawn import _warden_client, _zygote_client
         queue = multiprocessing.get_context("spawn").SimpleQueue()
         pids = []
         contexts = []
@@ -112,10 +114,10 @@ def test_replaced_warden_watches_earlier_launches_too():
             for _ in range(3):
                 pids.extend(queue.get())
             if launch == 0:
-                (first,) = _launch.warden_process()[0]
+                (first,) = _warden_client.warden_process()[0]
                 os.kill(first, signal.SIGKILL)
                 os.waitid(os.P_PID, first, os.WEXITED | os.WNOWAIT)
-        (warden,) = _launch.warden_process()[0]
+        (warden,) = _warden_client.warden_process()[0]
         assert warden != first
         print(warden, " ".join(map(str, pids)), flush=True)
         time.sleep(600)
@@ -170,10 +172,10 @@ def test_warden_drops_groups_that_end_after_the_caller_execs(start_method):
     driver = run_driver(
         """
         import os, sys, fastspawn, workers
-        from fastspawn import _launch
+        from fastspawn import _warden_client, _zygote_client
         ctx = fastspawn.start_processes(
             workers.succeed, nprocs=2, join=False, start_method=sys.argv[1])
-        (warden,) = _launch.warden_process()[0]
+        (warden,) = _warden_client.warden_process()[0]
         print(warden, flush=True)
         reap = "import os, sys, time; [os.waitpid(int(p), 0) for p in sys.argv[1:]]; "
         reap += "print('reaped', flush=True); time.sleep(60)"
@@ -242,18 +244,18 @@ def test_foreground_job_on_a_terminal_keeps_its_workers_in_its_group(tmp_path, s
 
 
 def test_warden_killed_is_replaced():
-    if fastspawn._launch._foreground_on_a_terminal():
+    if fastspawn._methods.common.foreground_on_a_terminal():
         pytest.skip("a foreground job on a terminal starts no warden")
     ctx = start(workers.sleep_for, (0.2,), nprocs=2, start_method="fork")
-    (first,) = fastspawn._launch.warden_process()[0]
+    (first,) = _warden_client.warden_process()[0]
     os.kill(first, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while fastspawn._launch._warden.alive():  # reaps it once it is gone
+    while _warden_client.current().alive():  # reaps it once it is gone
         assert time.monotonic() < deadline
         time.sleep(0.01)
     ctx = start(workers.succeed, nprocs=2, start_method="spawn")
     assert ctx.return_values == {0: 0, 1: 1}
-    (second,) = fastspawn._launch.warden_process()[0]
+    (second,) = _warden_client.warden_process()[0]
     assert second != first
     assert not gone(second)
 
@@ -262,11 +264,11 @@ def test_warden_that_cannot_start_is_a_clear_error(monkeypatch):
     # A "fork" launch runs no program but the warden: without an interpreter
     # at sys.executable (an embedding application) it failed with a bare
     # "No such file or directory (from fs_launch): ''".
-    from fastspawn import _warden
+    from fastspawn import _warden_client
 
     monkeypatch.setattr(sys, "executable", "")
     with pytest.raises(FileNotFoundError, match="could not start the warden.*sys.executable"):
-        _warden.Warden()
+        _warden_client.Warden()
 
 
 def test_ignored_sigchld_is_a_clear_error_for_fork_and_spawn(tmp_path):
@@ -300,9 +302,9 @@ def test_warden_leaves_with_its_caller_and_kills_nothing_live(tmp_path):
     driver = run_driver(
         """
         import subprocess, sys, fastspawn, workers
-        from fastspawn import _launch
+        from fastspawn import _warden_client, _zygote_client
         ctx = fastspawn.start_processes(workers.leave_sleeper_child, nprocs=1, start_method="fork")
-        (warden,) = _launch.warden_process()[0]
+        (warden,) = _warden_client.warden_process()[0]
         print(warden, ctx.return_values[0], flush=True)
         """
     )

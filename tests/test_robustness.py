@@ -17,14 +17,14 @@ import workers
 from helpers import alive_after, gone, run_script
 
 import fastspawn
-from fastspawn import _context, _launch, elastic
+from fastspawn import _context, _warden_client, _zygote_client, elastic
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def zygote_fd_targets() -> list[str]:
-    _launch.get_server()
-    zygote = _launch.zygote_pid()
+    _zygote_client.get_server()
+    zygote = _zygote_client.zygote_pid()
     targets = []
     for name in os.listdir(f"/proc/{zygote}/fd"):
         try:
@@ -88,8 +88,8 @@ def test_zygote_death_kills_what_binary_ranks_started(tmp_path):
         assert time.monotonic() < deadline, "the rank did not start its child"
         time.sleep(0.05)
     child = int(pid_file.read_text())
-    _launch.get_server()
-    os.kill(_launch.zygote_pid(), signal.SIGKILL)
+    _zygote_client.get_server()
+    os.kill(_zygote_client.zygote_pid(), signal.SIGKILL)
     assert alive_after([child], 2.0) == []
     started = time.monotonic()
     result = ctx.wait(30)
@@ -131,7 +131,7 @@ def multiprocessing_queue():
 
 
 def test_fork_worker_does_not_hold_the_zygote_control_socket():
-    zygote = _launch.get_server()
+    zygote = _zygote_client.get_server()
     control = f"socket:[{os.fstat(zygote.control.fileno()).st_ino}]"
     ctx = fastspawn.start_processes(workers.fd_targets, nprocs=1, start_method="fork")
     assert control not in ctx.return_values[0]
@@ -157,7 +157,7 @@ def test_every_rank_may_start_a_session(start_method):
     assert ctx.return_values == {0: True, 1: True, 2: True}
     if start_method in ("zygote", "forkserver"):
         # The group's anchor is reaped: the zygote has no child left.
-        zygote = _launch.zygote_pid()
+        zygote = _zygote_client.zygote_pid()
         deadline = time.monotonic() + 10
         while _children(zygote) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -187,7 +187,7 @@ def test_workers_and_helpers_start_with_no_signal_blocked(start_method, from_thr
             fastspawn.start_processes(workers.blocked_signals, nprocs=2, start_method=start_method)
         )
     assert result[0].return_values == {0: 0, 1: 0}
-    helpers = _launch.helper_processes()[0] | _launch.warden_process()[0]
+    helpers = _zygote_client.helper_processes()[0] | _warden_client.warden_process()[0]
     assert helpers or start_method != "zygote"
     assert {pid: workers.blocked_signals_of(pid) for pid in helpers} == dict.fromkeys(helpers, 0)
 
@@ -219,11 +219,11 @@ def test_interrupt_anywhere_in_a_launch_leaves_nothing(tmp_path, start_method):
         import os, random, signal, sys, time
         sys.path.insert(0, sys.argv[1])
         import fastspawn, workers
-        from fastspawn import _launch
+        from fastspawn import _warden_client, _zygote_client
 
         def ours():
             kids = open(f"/proc/self/task/{os.getpid()}/children").read().split()
-            helpers = _launch.helper_processes()[0] | _launch.warden_process()[0]
+            helpers = _zygote_client.helper_processes()[0] | _warden_client.warden_process()[0]
             return sorted(int(k) for k in kids if int(k) not in helpers)
 
         if __name__ == "__main__":
@@ -244,7 +244,7 @@ def test_interrupt_anywhere_in_a_launch_leaves_nothing(tmp_path, start_method):
                     signal.setitimer(signal.ITIMER_REAL, 0)
             fastspawn.stop_zygote()
             time.sleep(0.2)
-            extra = len(os.listdir("/proc/self/fd")) - fds - len(_launch.warden_process()[1])
+            extra = len(os.listdir("/proc/self/fd")) - fds - len(_warden_client.warden_process()[1])
             print(interrupted > 0, ours(), extra)
         """,
         command=[sys.executable, str(tmp_path / "main.py"), TESTS, start_method],
@@ -287,7 +287,7 @@ def test_ctrl_c_while_the_zygote_prepares_a_launch_leaves_nothing(tmp_path, monk
             )
     finally:
         timer.cancel()
-    zygote = _launch.zygote_pid()
+    zygote = _zygote_client.zygote_pid()
     deadline = time.monotonic() + 10
     while children_of(zygote):
         assert time.monotonic() < deadline, f"workers left: {children_of(zygote)}"
@@ -305,7 +305,7 @@ def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
         """
         import os, resource, sys, time
         import fastspawn, workers
-        from fastspawn import _launch
+        from fastspawn import _warden_client, _zygote_client
         fastspawn.start_processes(workers.succeed, nprocs=1)
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
         held = [os.open(os.devnull, os.O_RDONLY) for _ in range(90)]
@@ -317,7 +317,7 @@ def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
             print("error: none")
         for fd in held:
             os.close(fd)
-        zygote = _launch.zygote_pid()
+        zygote = _zygote_client.zygote_pid()
         deadline = time.monotonic() + 10
         while True:
             with open(f"/proc/{zygote}/task/{zygote}/children") as f:
@@ -612,11 +612,11 @@ def test_workers_write_to_the_callers_current_stdout(start_method, capfd):
 def test_child_forked_while_a_zygote_starts_can_start_its_own():
     # Another thread holds the lock across a zygote's start; a fork at that
     # moment must give the child a free lock, not one held for ever.
-    with _launch._server_lock:
+    with _zygote_client._server_lock:
         pid = os.fork()
         if pid == 0:
             try:
-                os._exit(0 if _launch._server_lock.acquire(timeout=5) else 1)
+                os._exit(0 if _zygote_client._server_lock.acquire(timeout=5) else 1)
             finally:
                 os._exit(2)
     _, status = os.waitpid(pid, 0)

@@ -26,7 +26,8 @@ def test_patch_torch_routes_spawn_to_fastspawn(patched):
         fastspawn.ProcessExitedException
     )
     ctx = torch_mp.spawn(workers.pid_and_ppid, nprocs=2)
-    assert {ppid for _pid, ppid in ctx.return_values.values()} == {fastspawn._launch.zygote_pid()}
+    zygote = fastspawn._zygote_client.zygote_pid()
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == {zygote}
 
 
 def test_patched_exceptions_are_catchable_by_torch_names(patched):

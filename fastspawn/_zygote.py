@@ -38,20 +38,21 @@ from __future__ import annotations
 
 import collections
 import gc
+import io
 import os
 import pickle
 import select
 import signal
 import socket
 import stat
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
 
-from fastspawn import _channel, _hugepages, _oscall, _pickling, _procstate, _worker
+from fastspawn import _channel, _hugepages, _oscall, _pickling, _worker
+from fastspawn import _zygote_protocol as protocol
+from fastspawn._children import children_of, kill_children
 
 # Every import here is one the zygote (and each worker, its copy) carries:
 # typing only for annotations.  traceback stays: a failing worker formats its
@@ -66,12 +67,6 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
-# The arenas' region is placed before the zygote imports anything else.
-_ENTRY = _worker.entry_code(
-    "fastspawn._server.main",
-    first="from fastspawn._hugepages import place_arenas; place_arenas()",
-)
-_MAX_HEADER = 1 << 20
 # From this many ranks on, a launch first collapses what the zygote has not
 # collapsed yet (see _Zygote.collapse_now).
 _COLLAPSE_BEFORE_FORKING = 128
@@ -151,15 +146,6 @@ def _adopt_tracker(fd: int) -> None:
             pass
 
 
-def _stdio_by_rank(slots: Sequence[Sequence[int]], fds: Sequence[int]) -> dict[int, list[int]]:
-    """{rank: [stdout fd, stderr fd]} (-1: the caller's) from the launch's
-    (rank, stream) slots and the fds received for them."""
-    stdio: dict[int, list[int]] = {}
-    for (rank, stream), fd in zip(slots, fds, strict=True):
-        stdio.setdefault(rank, [-1, -1])[stream - 1] = fd
-    return stdio
-
-
 def _unless_same(fd: int, target: int) -> int:
     """``fd``, or -1 (closing it) when it writes where our ``target`` (1 or
     2) does already, as when the caller has not redirected it since the
@@ -183,64 +169,79 @@ def _unless_same(fd: int, target: int) -> int:
     return -1
 
 
-def _rank_stdio(
-    own: Sequence[int] | None, out: int, err: int
-) -> tuple[list[int] | None, list[int]]:
-    """A rank's [stdout fd, stderr fd]: its own where it has one, else the
-    caller's (``out``, ``err``), None when it keeps ours for both; and the
-    caller's it does not use, for it to close."""
-    pair = list(own) if own is not None else [-1, -1]
-    chosen = [pair[0] if pair[0] >= 0 else out, pair[1] if pair[1] >= 0 else err]
-    unused = [fd for fd in (out, err) if fd >= 0 and fd not in chosen]
-    return (None if chosen == [-1, -1] else chosen), unused
+class _LaunchStdio:
+    """A launch's stdio fds, as received: each rank's own (stdout, stderr;
+    -1: none) and the caller's own fds 1 and 2 (0, 1 and 2 for binary
+    ranks), which a rank without its own gets.  The zygote's copies are
+    closed once the ranks are forked (close)."""
+
+    def __init__(self, header: protocol.LaunchHeader, fds: Sequence[int]) -> None:
+        slots = header.stdio_slots
+        self.by_rank: dict[int, list[int]] = {}
+        for (rank, stream), fd in zip(slots, fds[: len(slots)], strict=True):
+            self.by_rank.setdefault(rank, [-1, -1])[stream - 1] = fd
+        callers = fds[len(slots) :]
+        self.caller_in = callers[0] if len(callers) == 3 else None
+        self.caller_out, self.caller_err = (
+            _unless_same(fd, target) for fd, target in zip(callers[-2:], (1, 2), strict=True)
+        )
+
+    def for_rank(self, rank: int) -> tuple[list[int] | None, list[int]]:
+        """A rank's [stdout fd, stderr fd]: its own where it has one, else
+        the caller's, None when it keeps ours for both; and the caller's it
+        does not use, for it to close."""
+        own = self.by_rank.get(rank)
+        out, err = self.caller_out, self.caller_err
+        pair = list(own) if own is not None else [-1, -1]
+        chosen = [pair[0] if pair[0] >= 0 else out, pair[1] if pair[1] >= 0 else err]
+        unused = [fd for fd in (out, err) if fd >= 0 and fd not in chosen]
+        return (None if chosen == [-1, -1] else chosen), unused
+
+    def others(self, rank: int) -> list[int]:
+        """The stdio fds of every rank but ``rank``: a worker closes them, so
+        that no rank (or binary it becomes) can write into another's log or
+        pipe."""
+        return [
+            fd for other, pair in self.by_rank.items() if other != rank for fd in pair if fd >= 0
+        ]
+
+    def close(self) -> None:
+        for pair in self.by_rank.values():
+            for fd in pair:
+                if fd >= 0:
+                    os.close(fd)
+        for caller_fd in (self.caller_in, self.caller_out, self.caller_err):
+            if caller_fd is not None and caller_fd >= 0:
+                os.close(caller_fd)
 
 
-def _others_stdio(stdio: Mapping[int, Sequence[int]], rank: int) -> list[int]:
-    """The stdio fds of every rank but ``rank``: a worker closes them, so that
-    no rank (or binary it becomes) can write into another's log or pipe."""
-    return [fd for other, pair in stdio.items() if other != rank for fd in pair if fd >= 0]
-
-
-def _children_of(pid: int) -> set[int]:
-    """The direct children of ``pid`` (/proc/PID/task/TID/children)."""
-    children: set[int] = set()
+def _send_pidfds(launch: _Launch, pids: list[int]) -> None:
+    """Queue the workers' pidfds for the caller, MAX_FDS a message.  Opened
+    only now, so no worker inherits its siblings'; none is reaped yet (that
+    happens in the main loop), so each pid still names our worker.  Without
+    pidfds (out of fds, say) the caller cannot have the workers: the launch
+    fails and they are killed."""
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                children.update(int(c) for c in f.read().split())
-        return children
-    except FileNotFoundError:
-        pass  # kernel without CONFIG_PROC_CHILDREN: scan every process
-    for name in os.listdir("/proc"):
-        if name.isdigit():
+        for start in range(0, len(pids), _channel.MAX_FDS):
+            chunk = pids[start : start + _channel.MAX_FDS]
+            pidfds: list[int] = []
             try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.add(int(name))
-    return children
-
-
-def _kill_children(me: int) -> None:
-    """SIGKILL and reap this process's children, ``me`` being its pid, until
-    none is left: as a subreaper it adopts the orphans of those it kills,
-    daemons included, and kills them in the next round."""
-    while True:
-        try:
-            children = _children_of(me)
-        except OSError:
-            children = set()  # out of fds: reaping below frees some for the next round
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
+                for pid in chunk:
+                    pidfds.append(_oscall.pidfd_open(pid))
+            except BaseException:
+                for fd in pidfds:
+                    os.close(fd)
+                raise
+            launch.queue(start, _channel.PIDS, _channel.pack_statuses(chunk), pidfds)
+    except OSError as exc:
+        launch.drop_outbox()
+        why = (
+            f"the zygote could not open pidfds for the workers ({exc}); raise the "
+            "limit on open files (ulimit -n) or start fewer ranks"
+        )
+        launch.queue(-1, _channel.LAUNCH_FAILED, why.encode())
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
 
 
 class _Zygote:
@@ -388,16 +389,16 @@ class _Zygote:
 
     def on_control(self) -> bool:
         try:
-            data, fds, _flags = _channel.recv_fds(self.control, _MAX_HEADER, 256)
+            data, fds, _flags = _channel.recv_fds(self.control, protocol.MAX_MESSAGE, 256)
         except OSError:
             data, fds = b"", []
         if not data:
             for fd in fds:
                 os.close(fd)
             return False
-        message = pickle.loads(data)
-        if message["op"] == "preload":
-            _import_all(message["modules"])
+        message = protocol.ControlMessage.decode(data)
+        if message.op == protocol.PRELOAD:
+            _import_all(message.modules)
             self.reclaim_signals()
             self.settle()
         else:
@@ -413,25 +414,40 @@ class _Zygote:
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
         payload = _worker.read_payload(fds[1])
-        header = pickle.load(payload)  # plain data: no import, no fd
-        nprocs = int(header["nprocs"])
-        # The fds the arguments carry, the ranks' stdio fds, then the
-        # caller's own stdio (1 and 2, or 0, 1 and 2): as many as the launch
-        # message held, the rest in the messages that follow.
-        slots = header["stdio_slots"]
+        header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
         carried = fds[2:]
-        expected = header["user_fds"] + len(slots) + header["default_stdio"]
-        carried += self.receive_fds(expected - len(carried))
-        user_fds = carried[: header["user_fds"]]
-        stdio_end = header["user_fds"] + len(slots)
-        stdio = _stdio_by_rank(slots, carried[header["user_fds"] : stdio_end])
-        # The caller's stdio: what a rank without its own gets.
-        callers = carried[stdio_end:]
-        caller_in = callers[0] if len(callers) == 3 else None
-        caller_out, caller_err = (
-            _unless_same(fd, target) for fd, target in zip(callers[-2:], (1, 2), strict=True)
-        )
-        launch = _Launch(tx, nprocs)
+        carried += self.receive_fds(header.fd_count() - len(carried))
+        user_fds = carried[: header.user_fds]
+        stdio = _LaunchStdio(header, carried[header.user_fds :])
+        launch = _Launch(tx, header.nprocs)
+        fn, args, payload_error = self.prepare(header, payload, user_fds, tx)
+        pids = self.fork_ranks(header, launch, stdio, fn, args, payload_error)
+        del fn, args
+        # Arguments in a reference cycle (an object that refers to itself)
+        # would wait for a collection, or be frozen by settle(), holding the
+        # fds they carry open for every later worker: collect them now.
+        # Frozen objects are not traversed, so this is cheap (0.2 ms with
+        # torch preloaded) except once after unpickling imported a large
+        # module (torch not preloaded: 150k new objects, 93 ms, beside the
+        # import's 1.8 s); only a full collection is sure to reach arguments
+        # that a large unpickling pushed into the old generation.
+        gc.collect()
+        self.settle()  # what unpickling imported (the module of fn, say)
+        _send_pidfds(launch, pids)
+        self.channels[tx.fileno()] = launch
+        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
+        self.on_writable(launch)
+
+    def prepare(
+        self,
+        header: protocol.LaunchHeader,
+        payload: io.BytesIO,
+        user_fds: list[int],
+        tx: socket.socket,
+    ) -> tuple[Any, Any, str | None]:
+        """Take on the caller's state and unpickle fn and args: ``(fn, args,
+        None)``, or ``(None, (), traceback)`` when that failed (every rank
+        then reports the traceback, as a spawned worker would)."""
         fn: Any = None
         args: Any = ()
         payload_error = None
@@ -440,16 +456,16 @@ class _Zygote:
             # before unpickling: imports run here and must see what a spawned
             # interpreter would.  The workers inherit all three.
             os.environ.clear()
-            os.environ.update(header["env"])
-            os.chdir(header["cwd"])
-            sys.path[:] = header["sys_path"]
-            _import_all(header["preload"], strict=True)
+            os.environ.update(header.env)
+            os.chdir(header.cwd)
+            sys.path[:] = header.sys_path
+            _import_all(header.preload, strict=True)
             # Before unpickling: fn and args are the launch's, not lasting
             # zygote state, and must stay collectable in the workers.
             self.settle()
             _pickling.inherited_fds[:] = user_fds
-            if header["tracker_index"] is not None:
-                _adopt_tracker(user_fds[header["tracker_index"]])
+            if header.tracker_index is not None:
+                _adopt_tracker(user_fds[header.tracker_index])
             if self.prepare_failure is None:
                 fn, args = pickle.load(payload)
             elif self.prepare_failure[0] == "exit":
@@ -470,15 +486,35 @@ class _Zygote:
                 os.close(fd)  # unpickled objects hold their own dups
             _pickling.inherited_fds[:] = []
             payload.close()
+        return fn, args, payload_error
 
-        if nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
+    def fork_ranks(
+        self,
+        header: protocol.LaunchHeader,
+        launch: _Launch,
+        stdio: _LaunchStdio,
+        fn: Any,
+        args: Any,
+        payload_error: str | None,
+    ) -> list[int]:
+        """Fork every rank of a launch; the pids forked.  On a failure the
+        launch reports it, and the ranks forked so far are killed (still
+        counted live until reaped); the pids returned are then none."""
+        if header.nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
             self.collapse_now()
-        envs: Mapping[int, Mapping[str, str]] = header["envs"]
-        daemon = bool(header["daemon"])
-        process_state = header["process_state"]
-        close_fds = self.own_fds()
-        channel = _worker.channel_identity(tx)
-        match_threads = _worker.torch_threads_to_match(envs)
+        spec = _worker.ForkSpec(
+            self.me,
+            fn,
+            args,
+            launch.tx,
+            daemon=header.daemon,
+            envs=header.envs,
+            payload_error=payload_error,
+            close_fds=self.own_fds(),
+            stdin=-1 if stdio.caller_in is None else stdio.caller_in,
+            process_state=header.process_state,
+            from_zygote=True,
+        )
         # The exit-time finalizers the workers must leave to the zygote.
         finalize = getattr(sys.modules.get("weakref"), "finalize", None)
         _worker.zygote_finalizer_index = _worker.next_finalizer_index(finalize)
@@ -498,35 +534,13 @@ class _Zygote:
             # once (its zombie holds the group until every rank has joined),
             # so no rank leads it and each may still setsid(), as a spawned
             # worker can.
-            group = _oscall.group_anchor() if header["process_group"] else 0
+            group = _oscall.group_anchor() if header.process_group else 0
             if group:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
-            for rank in range(nprocs):
+            for rank in range(header.nprocs):
                 pid = os.fork()
                 if pid == 0:
-                    if group:
-                        # Set in both processes, as shells do, so that
-                        # neither order of running leaves a gap.
-                        os.setpgid(0, group)
-                    _in_worker(self.user_handlers)
-                    rank_stdio, unused = _rank_stdio(stdio.get(rank), caller_out, caller_err)
-                    _worker.forked_child(
-                        rank,
-                        self.me,
-                        fn,
-                        args,
-                        tx,
-                        daemon=daemon,
-                        rank_env=envs.get(rank),
-                        payload_error=payload_error,
-                        close_fds=close_fds + _others_stdio(stdio, rank) + unused,
-                        stdio=rank_stdio,
-                        stdin=-1 if caller_in is None else caller_in,
-                        process_state=process_state,
-                        from_zygote=True,
-                        channel=channel,
-                        match_torch_threads=match_threads,
-                    )
+                    self.in_worker(spec, rank, group, stdio)
                 if group:
                     try:
                         os.setpgid(pid, group)
@@ -544,59 +558,29 @@ class _Zygote:
             if group:
                 _oscall.release_group_anchor(group)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
-            for pair in stdio.values():
-                for fd in pair:
-                    if fd >= 0:
-                        os.close(fd)
-            for caller_fd in (caller_in, caller_out, caller_err):
-                if caller_fd is not None and caller_fd >= 0:
-                    os.close(caller_fd)
-        del fn, args
-        # Arguments in a reference cycle (an object that refers to itself)
-        # would wait for a collection, or be frozen by settle(), holding the
-        # fds they carry open for every later worker: collect them now.
-        # Frozen objects are not traversed, so this is cheap (0.2 ms with
-        # torch preloaded) except once after unpickling imported a large
-        # module (torch not preloaded: 150k new objects, 93 ms, beside the
-        # import's 1.8 s); only a full collection is sure to reach arguments
-        # that a large unpickling pushed into the old generation.
-        gc.collect()
-        self.settle()  # what unpickling imported (the module of fn, say)
-        # pidfds are opened only now, so no worker inherits its siblings'.
-        # None is reaped yet (that happens in the main loop), so each pid
-        # still names our worker.
-        try:
-            for start in range(0, len(pids), _channel.MAX_FDS):
-                chunk = pids[start : start + _channel.MAX_FDS]
-                pidfds: list[int] = []
-                try:
-                    for pid in chunk:
-                        pidfds.append(_oscall.pidfd_open(pid))
-                except BaseException:
-                    for fd in pidfds:
-                        os.close(fd)
-                    raise
-                launch.queue(start, _channel.PIDS, _channel.pack_statuses(chunk), pidfds)
-        except OSError as exc:
-            # Out of fds, say: without pidfds the caller cannot have them.
-            launch.drop_outbox()
-            why = (
-                f"the zygote could not open pidfds for the workers ({exc}); raise the "
-                "limit on open files (ulimit -n) or start fewer ranks"
-            )
-            launch.queue(-1, _channel.LAUNCH_FAILED, why.encode())
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
-        self.channels[tx.fileno()] = launch
-        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
-        self.on_writable(launch)
+            stdio.close()
+        return pids
+
+    def in_worker(
+        self, spec: _worker.ForkSpec, rank: int, group: int, stdio: _LaunchStdio
+    ) -> NoReturn:
+        """A freshly forked rank: leave the zygote's ways, become the worker."""
+        if group:
+            # Set in both processes, as shells do, so that neither order of
+            # running leaves a gap.
+            os.setpgid(0, group)
+        _in_worker(self.user_handlers)
+        rank_stdio, unused = stdio.for_rank(rank)
+        _worker.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
 
     def receive_fds(self, count: int) -> list[int]:
         """Read ``count`` fds from the messages (MAX_FDS at most each) that
         follow a launch message."""
         fds: list[int] = []
         while len(fds) < count:
-            data, more, _flags = _channel.recv_fds(self.control, _MAX_HEADER, _channel.MAX_FDS)
+            data, more, _flags = _channel.recv_fds(
+                self.control, protocol.MAX_MESSAGE, _channel.MAX_FDS
+            )
             fds.extend(more)
             if not data:
                 for fd in fds:
@@ -635,7 +619,7 @@ class _Zygote:
     def kill_orphans(self) -> None:
         """Kill children that are not our workers: descendants whose worker
         died, reparented to us.  Unreaped, so their pids cannot be reused."""
-        for pid in _children_of(self.me) - set(self.workers):
+        for pid in children_of(self.me) - set(self.workers):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -693,7 +677,7 @@ class _Zygote:
             launch.drop_outbox()
             launch.tx.close()
         self.channels.clear()
-        _kill_children(self.me)
+        kill_children(self.me)
 
 
 _ZYGOTE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
@@ -803,7 +787,7 @@ def _guard(zygote: int) -> NoReturn:
         pid, status = os.waitpid(-1, 0)  # retried after pass_on (PEP 475)
         if pid == zygote:
             break
-    _kill_children(os.getpid())
+    kill_children(os.getpid())
     code = os.waitstatus_to_exitcode(status)
     os._exit(code if code >= 0 else 128 - code)
 
@@ -835,18 +819,18 @@ def main() -> None:
     try:
         zygote = _Zygote(control, parent, parent_fd)
         # The first message: the caller's spawn preparation data and preloads.
-        data = control.recv(_MAX_HEADER)
+        data = control.recv(protocol.MAX_MESSAGE)
         if not data:
             return
-        hello = pickle.loads(data)
+        hello = protocol.Hello.decode(data)
         _worker.capture_worker_exit_handlers()
         try:
-            _worker.prepare(hello["preparation"])
+            _worker.prepare(hello.preparation)
         except BaseException as exc:
             if _terminating:
                 raise  # the caller died: our own SIGTERM
             zygote.prepare_failure = _failure_of(exc)
-        _import_all(hello["preload"])
+        _import_all(hello.preload)
         zygote.reclaim_signals()
         zygote.settle()
         zygote.serve()
@@ -858,207 +842,3 @@ def main() -> None:
             except SystemExit:
                 continue  # SIGTERM landed inside the shutdown: run it again
         control.close()
-
-
-# ---------------------------------------------------------------- caller side
-
-
-class ServerClient:
-    """The caller's handle on its zygote (one per caller process)."""
-
-    def __init__(self, preload: Sequence[str] = ()) -> None:
-
-        from fastspawn._launch import on_launcher_thread
-
-        # What the zygote inherits now; a launch sends what changed since.
-        self.process_state = _procstate.capture()
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # The zygote reads nothing; its stdin, /dev/null, is what its
-        # function workers inherit (as multiprocessing gives its children).
-        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            argv = [
-                sys.executable,
-                *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-                "-c",
-                _ENTRY,
-                str(theirs.fileno()),
-                str(os.getpid()),
-            ]
-            # Launched from a thread that lives as long as the process, since
-            # PR_SET_PDEATHSIG follows the launching thread.  Signals held:
-            # a Ctrl-C must not come between its start and our record of it.
-            with _oscall.held_signals():
-                self.pid, self.pidfd = on_launcher_thread(
-                    _oscall.launch,
-                    sys.executable,
-                    argv,
-                    dict(os.environ),
-                    stdin=null,
-                    keep_fds=[theirs.fileno()],
-                    pdeathsig=signal.SIGTERM,
-                    new_process_group=True,
-                )
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
-            os.close(null)
-        self.control = mine
-        self.owner = os.getpid()
-        self.lock = threading.Lock()
-        self.dead = threading.Event()
-        # Set (under ``lock``) by close(): a launch that comes after finds
-        # it, rather than a closed socket or a pidfd number reused since.
-        self.closed = False
-        self._zygote_pid: int | None = None  # see zygote_pid()
-        self.zygote_fd = -1  # the watcher's pidfd of it
-        # Process groups of launches whose workers may still run (as the
-        # zygote names them); added by the launcher, dropped when joined.
-        self.groups: set[int] = set()
-        try:
-            hello = {
-                "preparation": _worker.preparation_data("fastspawn-zygote"),
-                "preload": list(preload),
-            }
-            # The authkey inside pickles only while "spawning", as for spawn.
-            self.control.sendall(_pickling.dumps([hello], _pickling.FdCollector()))
-            self.watcher = threading.Thread(
-                target=self._watch, name="fastspawn-zygote-watch", daemon=True
-            )
-            _oscall.start_quiet_thread(self.watcher)
-        except BaseException:
-            # No one will hold this zygote: stop it now (a Ctrl-C while the
-            # main module's preparation data is gathered, say).
-            self.control.close()
-            _oscall.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            _oscall.pidfd_wait(self.pidfd, nohang=False)
-            os.close(self.pidfd)
-            raise
-
-    def zygote_pid(self, timeout: float = 10.0) -> int | None:
-        """The pid of the zygote proper, the workers' parent: the only child
-        of the process we started (its guard), once it has forked it.  None
-        if it did not appear in ``timeout`` seconds (or is gone)."""
-        if self._zygote_pid is None:
-            from fastspawn._process import wait_readable
-
-            deadline = time.monotonic() + timeout
-            pause = 0.001
-            while not (children := _children_of(self.pid)):
-                if time.monotonic() > deadline or self.dead.is_set():
-                    return None
-                # Backing off: the zygote's start is what this waits for,
-                # and it needs the CPU more than this loop does.  The guard's
-                # exit ends the wait (killed before it forked, or its start
-                # failed): no zygote comes then, and the watcher, which
-                # waits here first, must go on to reap it.
-                if wait_readable([self.pidfd], pause):
-                    return None
-                pause = min(pause * 2, 0.02)
-            self._zygote_pid = min(children)
-        return self._zygote_pid
-
-    def process_state_now(self) -> dict[str, Any]:
-        """The caller's umask, CPU affinity, nice value and resource limits
-        that differ from the zygote's (what it had when the zygote started)."""
-        return _procstate.changed(self.process_state, _procstate.capture())
-
-    def _watch(self) -> None:
-        """Wait for the zygote to exit; then kill its process group (workers
-        and their children) before reaping it, so the id cannot be reused."""
-        from fastspawn._process import wait_readable
-
-        # A pidfd of the zygote proper, opened while its guard (our child,
-        # alive, unreaped) lists it as its child: the pid is still its.
-        zygote = self.zygote_pid()
-        if zygote is not None:
-            try:
-                fd = _oscall.pidfd_open(zygote)
-            except OSError:
-                fd = -1
-            if fd >= 0 and zygote not in _children_of(self.pid):
-                os.close(fd)
-                fd = -1
-            self.zygote_fd = fd
-        while not wait_readable([self.pidfd], None):
-            pass
-        if self.zygote_fd >= 0:
-            # The guard died first (SIGKILLed): the zygote, told by
-            # PR_SET_PDEATHSIG, stops every worker and adopts and kills their
-            # children, daemons too.  Let it, before the groups' SIGKILL
-            # takes it and leaves those to init.
-            wait_readable([self.zygote_fd], 5.0)
-        with self.lock:
-            groups = [self.pid, *self.groups]
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self.zygote_fd >= 0:
-            # A caller that is a child subreaper (or a container's init)
-            # adopted the zygote as its guard died: reap it (it is in the
-            # guard's group, killed above), or it stays a zombie here.
-            try:
-                _oscall.pidfd_wait(self.zygote_fd, nohang=False)
-            except ChildProcessError:
-                pass  # not ours: init's, or the guard reaped it
-            os.close(self.zygote_fd)
-            self.zygote_fd = -1
-        try:
-            _oscall.pidfd_wait(self.pidfd, nohang=False)
-        except ChildProcessError:
-            pass
-        self.dead.set()
-
-    def forget_in_child(self) -> None:
-        """In a process forked from the owner: close the copies of the
-        zygote's control socket and pidfd, which are not ours."""
-        self.control.close()
-        for fd in (self.pidfd, self.zygote_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def alive(self) -> bool:
-        """Whether the zygote runs.  Its pidfd is checked directly: the
-        watcher thread may not have run yet since the zygote died."""
-        if os.getpid() != self.owner or self.dead.is_set():
-            return False
-        from fastspawn._process import wait_readable
-
-        if wait_readable([self.pidfd], 0):
-            self.dead.wait(10)  # let the watcher kill the groups and reap
-            return False
-        return True
-
-    def send(
-        self, message: Mapping[str, Any], fds: Sequence[int] = (), locked: bool = False
-    ) -> None:
-        """Send one control message (``locked``: the caller holds ``lock``,
-        to keep a launch and the messages that follow it together)."""
-        data = pickle.dumps(dict(message), pickle.HIGHEST_PROTOCOL)
-        if locked:
-            socket.send_fds(self.control, [data], list(fds))
-            return
-        with self.lock:
-            socket.send_fds(self.control, [data], list(fds))
-
-    def close(self) -> None:
-        """Stop the zygote (EOF on its control socket) and reap it."""
-        if os.getpid() != self.owner:
-            return
-        with self.lock:
-            if self.closed:
-                return  # once: the pidfd's number may be another fd's now
-            self.closed = True
-            self.control.close()
-        self.dead.wait(30)
-        if not self.dead.is_set():  # pragma: no cover - a wedged zygote
-            os.kill(self.pid, signal.SIGKILL)
-            self.dead.wait(30)
-        self.watcher.join(5)
-        os.close(self.pidfd)

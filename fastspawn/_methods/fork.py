@@ -1,0 +1,86 @@
+"""Start method "fork": each worker is an os.fork() of the caller.
+
+No pickling and no new interpreter: the fastest start, with the caller's
+whole state (threads excepted, locks as they were), as multiprocessing's
+fork.  Forks run on the launcher thread (see _launcher_thread), since
+PR_SET_PDEATHSIG follows the forking thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from typing import NoReturn
+
+from fastspawn import _oscall, _worker
+from fastspawn._channel import Receiver
+from fastspawn._launch import LaunchRequest, Started
+from fastspawn._launcher_thread import on_launcher_thread
+from fastspawn._methods import common
+
+
+class Fork(common.ChildrenOfCaller):
+    name = "fork"
+    pickles_arguments = False
+
+    def launch(self, req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
+        on_launcher_thread(_fork_ranks, req, tx, rx, started)
+
+
+def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
+    spec = _worker.ForkSpec(
+        os.getpid(),
+        req.fn,
+        req.args,
+        tx,
+        daemon=req.daemon,
+        envs=req.envs,
+        close_fds=[rx.fileno()],
+        stdin=None if req.keep_stdin else -1,
+    )
+    _worker.flush_std_streams()
+    try:
+        group = common.new_group(req)
+        for rank in range(req.nprocs):
+            held = _oscall.held_signals()
+            with held:  # from the fork until the worker is in ``started``
+                pid = os.fork()
+                if pid == 0:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
+                    _in_worker(spec, rank, group, req.stdio.get(rank))
+                if group:
+                    try:
+                        os.setpgid(pid, group)
+                    except (PermissionError, ProcessLookupError):
+                        pass  # it did already, and may have moved on
+                try:
+                    pidfd = _oscall.pidfd_open(pid)
+                except BaseException:
+                    os.kill(pid, signal.SIGKILL)  # unreaped: still ours
+                    os.waitpid(pid, 0)
+                    raise
+                started.append((pid, pidfd))
+                if rank == req.nprocs - 1:
+                    common.release_anchor(req)  # here, with the signals still held
+    except BaseException:
+        common.end_group(req, started)
+        raise
+    finally:
+        common.release_anchor(req)
+
+
+def _in_worker(
+    spec: _worker.ForkSpec, rank: int, group: int, stdio: tuple[int, int] | None
+) -> NoReturn:
+    # Set in both processes, as shells do, so that neither order of running
+    # leaves a gap.
+    if group:
+        try:
+            os.setpgid(0, group)
+        except OSError:
+            pass  # the parent did; or a stranger reaped the anchor
+    _worker.forked_child(spec, rank, stdio)
+
+
+METHOD = Fork()
