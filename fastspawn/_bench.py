@@ -138,7 +138,7 @@ METHOD_HELP: dict[str, str] = {
     "mp-fork": "the same with the fork context",
     "mp-forkserver": "the same with the forkserver context (preloading the fn's module)",
     "torch-spawn": "torch.multiprocessing.spawn(join=False) (each rank imports torch)",
-    "binary-fastspawn": "fastspawn's C launcher (clone+exec, PR_SET_PDEATHSIG) of true(1)",
+    "binary-fastspawn": "fastspawn.elastic.start_processes with true(1) as the entrypoint",
     "binary-popen": 'subprocess.Popen(["true"])',
     "binary-popen-pdeathsig": "the same with a preexec_fn that sets PR_SET_PDEATHSIG",
 }
@@ -306,39 +306,30 @@ class TorchLaunched(MpLaunched):
         raise BenchError("the failure round ended without the planned failure")
 
 
-class PidfdLaunched(Launched):
-    """Binaries started by fastspawn's C launcher: (pid, pidfd) pairs."""
+class ElasticLaunched(Launched):
+    """The ranks of a ``fastspawn.elastic`` PContext."""
 
-    def __init__(self) -> None:
-        self.started: list[tuple[int, int]] = []
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
 
     def pids(self) -> list[int]:
-        return [pid for pid, _ in self.started]
+        pids = self.ctx.pids()
+        return [pids[rank] for rank in sorted(pids)]
 
     def problem(self) -> str | None:
         return None
 
     def join(self) -> None:
-        from fastspawn import _oscall
-
-        while self.started:
-            _pid, pidfd = self.started[-1]
-            _oscall.pidfd_wait(pidfd, nohang=False)
-            os.close(pidfd)
-            self.started.pop()
+        result = self.ctx.wait()
+        self.ctx.close()
+        if result.is_failed():
+            raise BenchError(f"a binary rank failed: {result.failures}")
 
     def join_failure(self) -> None:
         raise NotImplementedError("binary methods have no failure round")
 
     def kill(self) -> None:
-        from fastspawn import _oscall
-
-        for _pid, pidfd in self.started:
-            try:
-                _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.join()
+        self.ctx.close(signal.SIGKILL)
 
 
 class PopenLaunched(Launched):
@@ -432,39 +423,39 @@ class FastspawnMethod(Method):
 
     def prepare(self, session: Session) -> None:
         import fastspawn
-        from fastspawn import _launch
+        from fastspawn._methods import registry
 
+        method = registry.get(self.start_method)
         if self.cold:
             fastspawn.stop_zygote()
-        elif self.start_method in ("zygote", "forkserver") and not _launch.helper_processes()[0]:
+        elif method.supports_preload and not method.helper_pids():
             # No zygote (it died?): start one and let it import this module
             # and the preloads, so that the timed launch finds it warm.
             fastspawn.start_processes(
-                _noop, nprocs=1, start_method="zygote", preload=list(session.imports)
+                _noop, nprocs=1, start_method=method.name, preload=list(session.imports)
             )
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         import fastspawn
+        from fastspawn._methods import registry
 
-        preload = list(session.imports) if self.start_method in ("zygote", "forkserver") else None
+        takes_preload = registry.get(self.start_method).supports_preload
         ctx = fastspawn.start_processes(
             rank_main,
             (spec,),
             nprocs=nprocs,
             join=False,
             start_method=self.start_method,
-            preload=preload,
+            preload=list(session.imports) if takes_preload else None,
         )
         launched = FastspawnLaunched(ctx)
         session.live.append(launched)
         return launched
 
     def helper_pids(self) -> list[int]:
-        from fastspawn import _launch
+        from fastspawn._methods import registry
 
-        if self.start_method not in ("zygote", "forkserver"):
-            return []
-        return sorted(_launch.helper_processes()[0])
+        return sorted(registry.get(self.start_method).helper_pids())
 
 
 def _noop(rank: int) -> None:
@@ -479,12 +470,12 @@ class MpMethod(Method):
     def setup(self, session: Session) -> None:
         import multiprocessing
 
-        if self.start_method == "forkserver":
+        ctx = multiprocessing.get_context(self.start_method)
+        if isinstance(ctx, multiprocessing.context.ForkServerContext):
             # Before the server starts: the rank function's module (which the
             # zygote keeps from its first launch) and what the zygote gets
             # through preload=.
-            preload = [__name__, *session.imports]
-            multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+            ctx.set_forkserver_preload([__name__, *session.imports])
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         import multiprocessing
@@ -498,9 +489,12 @@ class MpMethod(Method):
         return launched
 
     def helper_pids(self) -> list[int]:
-        if self.start_method != "forkserver":
-            return []
+        import multiprocessing
         from multiprocessing import forkserver
+
+        ctx = multiprocessing.get_context(self.start_method)
+        if not isinstance(ctx, multiprocessing.context.ForkServerContext):
+            return []
 
         pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
         return [pid] if isinstance(pid, int) else []
@@ -523,20 +517,25 @@ class TorchMethod(Method):
 
 
 class BinaryFastspawn(Method):
+    """Binary ranks as users start them: ``fastspawn.elastic.start_processes``
+    with a binary entrypoint (what ``fastspawn run --no-python`` runs)."""
+
     binary = True
     failure_round = False
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
-        from fastspawn import _oscall
+        from fastspawn import elastic
 
-        launched = PidfdLaunched()
+        ranks = range(nprocs)
+        ctx = elastic.start_processes(
+            "bench",
+            session.binary,
+            {rank: () for rank in ranks},
+            {rank: {} for rank in ranks},
+            log_dir=os.devnull,
+        )
+        launched = ElasticLaunched(ctx)
         session.live.append(launched)
-        env = dict(os.environ)
-        for _ in range(nprocs):
-            started = _oscall.launch(
-                session.binary, [session.binary], env, pdeathsig=signal.SIGKILL
-            )
-            launched.started.append(started)
         return launched
 
 
@@ -577,9 +576,10 @@ def make_method(name: str) -> Method:
     """The method called ``name`` (one of :data:`ALL_METHODS`)."""
     family, _, rest = name.partition("-")
     if family == "fastspawn":
-        if rest.startswith("zygote"):
-            return FastspawnMethod(name, "zygote", cold=rest == "zygote-cold")
-        return FastspawnMethod(name, rest)
+        # fastspawn-<method>, or fastspawn-<method>-warm / -cold for the
+        # default method, whose long-lived process a launch may find running.
+        method, _, state = rest.partition("-")
+        return FastspawnMethod(name, method, cold=state == "cold")
     if family == "mp":
         return MpMethod(name, rest)
     if family == "torch":
