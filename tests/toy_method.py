@@ -1,0 +1,45 @@
+"""A start method in one file, for test_layout: each rank an os.fork() of
+the caller, forked on the calling thread, with no process group.  Importing
+this module registers it as "toy"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+from fastspawn import _oscall, _worker
+from fastspawn._channel import Receiver
+from fastspawn._launch import LaunchRequest, Started
+from fastspawn._methods import common, registry
+
+
+class Toy(common.ChildrenOfCaller):
+    name = "toy"
+    pickles_arguments = False
+
+    def launch(self, req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
+        spec = _worker.ForkSpec(
+            os.getpid(),
+            req.fn,
+            req.args,
+            tx,
+            daemon=req.daemon,
+            envs=req.envs,
+            close_fds=[rx.fileno()],
+        )
+        _worker.flush_std_streams()
+        try:
+            for rank in range(req.nprocs):
+                with _oscall.held_signals():
+                    pid = os.fork()
+                    if pid == 0:
+                        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+                        _worker.forked_child(spec, rank)
+                    started.append((pid, _oscall.pidfd_open(pid)))
+        except BaseException:
+            common.end_group(req, started)
+            raise
+
+
+METHOD = registry.register(Toy())
