@@ -96,4 +96,3 @@ class HelperClient:
         except ChildProcessError:
             pass
         os.close(self.pidfd)
-

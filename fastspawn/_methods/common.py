@@ -9,8 +9,10 @@ directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 
 from fastspawn import _oscall, _warden_client
 from fastspawn._launch import LaunchRequest, Started, forget_groups, kill_started
@@ -92,6 +94,21 @@ def release_anchor(req: LaunchRequest) -> None:
     anchor, req.anchor = req.anchor, 0
     if anchor:
         _oscall.release_group_anchor(anchor)
+
+
+@contextlib.contextmanager
+def launch_group(req: LaunchRequest, started: Started) -> Iterator[int]:
+    """Around the loop that starts a fork or spawn launch's ranks: gives the
+    launch's process group (new_group); if the loop raises, kills what
+    started and drops the group (end_group); releases the anchor in any
+    case (the loop releases it itself as the last rank starts)."""
+    try:
+        yield new_group(req)
+    except BaseException:
+        end_group(req, started)
+        raise
+    finally:
+        release_anchor(req)
 
 
 def end_group(req: LaunchRequest, started: Started) -> None:

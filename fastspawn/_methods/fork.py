@@ -40,8 +40,7 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
         stdin=None if req.keep_stdin else -1,
     )
     _worker.flush_std_streams()
-    try:
-        group = common.new_group(req)
+    with common.launch_group(req, started) as group:
         for rank in range(req.nprocs):
             held = _oscall.held_signals()
             with held:  # from the fork until the worker is in ``started``
@@ -63,11 +62,6 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
                 started.append((pid, pidfd))
                 if rank == req.nprocs - 1:
                     common.release_anchor(req)  # here, with the signals still held
-    except BaseException:
-        common.end_group(req, started)
-        raise
-    finally:
-        common.release_anchor(req)
 
 
 def _in_worker(

@@ -57,32 +57,28 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
         tail += [str(fd) for fd in collector.fds]
         keep = [payload_fd, tx.fileno(), *collector.fds]
         keep += [tracker] if tracker is not None else []
-        group = common.new_group(req)
-        for rank in range(req.nprocs):
-            env = {**base_env, **req.envs.get(rank, {})}
-            out, err = req.stdio.get(rank, (-1, -1))
-            with _oscall.held_signals():  # until the worker is in ``started``
-                started.append(
-                    _oscall.launch(
-                        sys.executable,
-                        argv + [str(rank)] + tail,
-                        env,
-                        stdout=out,
-                        stderr=err,
-                        keep_fds=keep,
-                        pdeathsig=signal.SIGKILL,
-                        process_group=group,
+        with common.launch_group(req, started) as group:
+            for rank in range(req.nprocs):
+                env = {**base_env, **req.envs.get(rank, {})}
+                out, err = req.stdio.get(rank, (-1, -1))
+                with _oscall.held_signals():  # until the worker is in ``started``
+                    started.append(
+                        _oscall.launch(
+                            sys.executable,
+                            argv + [str(rank)] + tail,
+                            env,
+                            stdout=out,
+                            stderr=err,
+                            keep_fds=keep,
+                            pdeathsig=signal.SIGKILL,
+                            process_group=group,
+                        )
                     )
-                )
-                if rank == req.nprocs - 1:
-                    common.release_anchor(req)  # here, with the signals still held
-    except BaseException:
-        common.end_group(req, started)
-        raise
+                    if rank == req.nprocs - 1:
+                        common.release_anchor(req)  # here, with the signals still held
     finally:
         if payload_fd >= 0:
             os.close(payload_fd)
-        common.release_anchor(req)
 
 
 METHOD = Spawn()
