@@ -661,6 +661,15 @@ class PContext:
         _forget_context(self)
         sig = signal.SIGTERM if death_sig is None else death_sig
         procs = [p for p in self._ctx.processes if p._exitcode is None]
+        self._stop_ranks(procs, sig, timeout)
+        self._drain_join_reports()
+        self._tee.join(idle_timeout=5.0)
+        if self._result is None:
+            self._result = self._closed_result()
+
+    def _stop_ranks(self, procs: list[Any], sig: signal.Signals | int, timeout: float) -> None:
+        """``sig`` to each of ``procs``; SIGKILL to those still alive after
+        ``timeout`` seconds in all; then reap them all."""
         for proc in procs:
             self._signal(proc, sig)
         deadline = time.monotonic() + timeout
@@ -674,6 +683,10 @@ class PContext:
                 self._signal(proc, signal.SIGKILL)
         for proc in procs:
             proc.join()
+
+    def _drain_join_reports(self) -> None:
+        """Let the ranks' context report every rank done, once all are reaped."""
+        assert self._ctx is not None
         # Every rank is reaped: join() now raises once for each rank that
         # ended badly, then returns True.  It never blocks here (timeout=0);
         # the bound, twice what that takes, only guards against a spin.
@@ -685,9 +698,6 @@ class PContext:
                 pass  # stopped on purpose; _closed_result reports it
         else:
             log.warning("close(): the ranks' context did not report them all done")
-        self._tee.join(idle_timeout=5.0)
-        if self._result is None:
-            self._result = self._closed_result()
 
     def _signal(self, proc: Any, sig: int) -> None:
         if isinstance(self.entrypoint, str) and proc._exitcode is None and proc.is_alive():
