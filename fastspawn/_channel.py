@@ -132,6 +132,7 @@ class Receiver:
             self.sock.setblocking(False)
 
     def _read_one(self) -> bool:
+        """Read one message and apply it to ``reports``.  False at EOF."""
         data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
         if not data:
             for fd in fds:
@@ -139,36 +140,53 @@ class Receiver:
             self.reports.eof = True
             return False
         rank, kind, flags = HEADER.unpack_from(data)
-        body = data[HEADER.size :]
-        r = self.reports
+        self._apply(rank, kind, flags, data[HEADER.size :], fds, msg_flags)
+        return True
+
+    def _apply(
+        self, rank: int, kind: int, flags: int, body: bytes, fds: list[int], msg_flags: int
+    ) -> None:
+        """Apply one message by its kind.  Takes ownership of ``fds``: a PIDS
+        message's become the ranks' pidfds, any other's are closed."""
         if kind == PIDS:
-            pids = unpack_statuses(body)
-            for i, pid in enumerate(pids):
-                r.pids[rank + i] = (pid, fds[i] if i < len(fds) else -1)
-            if len(fds) < len(pids) and r.launch_failed is None:
-                # The kernel dropped the fds it could not install here.
-                why = ": out of file descriptors" if msg_flags & socket.MSG_CTRUNC else ""
-                r.launch_failed = (
-                    f"the workers' pidfds did not arrive ({len(pids) - len(fds)} of "
-                    f"{len(pids)} missing{why}); raise the limit on open files "
-                    "(ulimit -n) or start fewer ranks"
-                )
-            return True
+            self._apply_pids(rank, unpack_statuses(body), fds, msg_flags)
+            return
         for fd in fds:  # no other kind carries fds
             os.close(fd)
         if kind == GROUP:
-            r.group = unpack_statuses(body)[0]
-            return True
-        if kind == EXIT:
+            self.reports.group = unpack_statuses(body)[0]
+        elif kind == EXIT:
             pairs = unpack_statuses(body)
             for i in range(0, len(pairs) - 1, 2):
-                r.exits[pairs[i]] = pairs[i + 1]
-            return True
+                self.reports.exits[pairs[i]] = pairs[i + 1]
+        else:
+            self._apply_part(rank, kind, flags, body)
+
+    def _apply_pids(self, rank: int, pids: list[int], fds: list[int], msg_flags: int) -> None:
+        """Ranks ``rank``, ``rank + 1``, ... started as ``pids``, with ``fds``
+        their pidfds in the same order (-1 for those that did not arrive)."""
+        r = self.reports
+        for i, pid in enumerate(pids):
+            r.pids[rank + i] = (pid, fds[i] if i < len(fds) else -1)
+        if len(fds) < len(pids) and r.launch_failed is None:
+            # The kernel dropped the fds it could not install here.
+            why = ": out of file descriptors" if msg_flags & socket.MSG_CTRUNC else ""
+            r.launch_failed = (
+                f"the workers' pidfds did not arrive ({len(pids) - len(fds)} of "
+                f"{len(pids)} missing{why}); raise the limit on open files "
+                "(ulimit -n) or start fewer ranks"
+            )
+
+    def _apply_part(self, rank: int, kind: int, flags: int, body: bytes) -> None:
+        """One piece of a body that may span several messages (RESULT, ERROR,
+        UNPICKLABLE, LAUNCH_FAILED): kept until the piece flagged LAST
+        completes it, then stored by kind."""
+        r = self.reports
         key = (rank, kind)
         parts = r._partial.setdefault(key, [])
         parts.append(body)
         if not flags & LAST:
-            return True
+            return
         whole = b"".join(r._partial.pop(key))
         if kind == RESULT:
             r.results[rank] = whole
@@ -178,7 +196,6 @@ class Receiver:
             r.unpicklable[rank] = whole.decode("utf-8", "replace")
         elif kind == LAUNCH_FAILED:
             r.launch_failed = whole.decode("utf-8", "replace")
-        return True
 
     def close(self) -> None:
         self.sock.close()

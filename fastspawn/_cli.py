@@ -4,6 +4,7 @@ fastspawn run``) starts N ranks of a program per node, torchrun-style."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import shutil
@@ -384,22 +385,48 @@ class _StopSignals:
             self.closed = True
 
 
-def _log_dir_error(log_dir: str, exc: OSError) -> int:
+class LogDirError(Exception):
+    """The logs have no usable directory; the message says why and what to
+    give instead.  ``fastspawn run`` prints it and exits 2."""
+
+
+def _log_dir_error(log_dir: str, exc: OSError) -> LogDirError:
     """Say why ``log_dir`` cannot hold the logs, as the non-empty case does."""
     why = exc.strerror or str(exc)
     if isinstance(exc, FileExistsError):  # makedirs(exist_ok=True) on a file
         why = "it is not a directory"
-    print(
+    return LogDirError(
         f"fastspawn run: cannot use --log-dir {log_dir}: {why}; give a new or empty "
-        "directory that you can write to",
-        file=sys.stderr,
+        "directory that you can write to"
     )
-    return 2
 
 
-def run(args: argparse.Namespace) -> int:
-    nprocs = args.nprocs_per_node
-    nnodes, node_rank, addr, port = topology(args, os.environ)
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One ``fastspawn run``, read from its arguments: what each rank runs,
+    where this node sits among the others, and how often to restart."""
+
+    nprocs: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    program: str  # as given: named when it cannot start
+    entrypoint: str
+    argv: tuple[str, ...]
+    name: str  # prefix of tee'd lines
+    redirects: elastic.Std | dict[int, elastic.Std]
+    tee: elastic.Std | dict[int, elastic.Std]
+    max_restarts: int
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nprocs + local_rank
+
+
+def run_config(args: argparse.Namespace, environ: Mapping[str, str]) -> RunConfig:
+    """The run the parsed ``args`` describe, its topology completed from
+    ``environ`` (Slurm)."""
+    nnodes, node_rank, addr, port = topology(args, environ)
     program = args.program
     # argparse has removed the first "--" (the one before the program, when
     # given); a later one is the program's own and stays.
@@ -410,115 +437,212 @@ def run(args: argparse.Namespace) -> int:
     else:
         entrypoint = program
         argv = list(program_args)
-    name = args.name or os.path.basename(program)
+    return RunConfig(
+        nprocs=args.nprocs_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=addr,
+        master_port=port,
+        program=program,
+        entrypoint=entrypoint,
+        argv=tuple(argv),
+        name=args.name or os.path.basename(program),
+        redirects=args.redirects,
+        tee=args.tee,
+        max_restarts=args.max_restarts,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LogDir:
+    """The directory that holds one ``attempt_N/`` per attempt."""
+
+    # Absolute: the ranks get error file paths under it, and a rank that
+    # changes its working directory (Hydra does) must still find them.
+    path: str
+    created: str | None  # the directory this run made to hold path (itself included)
+    given: str | None  # --log-dir as given; None for a temporary directory
+
+    def make_attempt_dir(self, attempt: int) -> str:
+        """Make ``attempt_N/``.  Raises LogDirError, after removing what this
+        run created, when it cannot."""
+        attempt_dir = os.path.join(self.path, f"attempt_{attempt}")
+        try:
+            os.mkdir(attempt_dir, 0o700)
+        except OSError as exc:  # an empty directory we may not write to
+            _remove_created(None, self.path, self.created)
+            raise _log_dir_error(self.given or self.path, exc) from exc
+        return attempt_dir
+
+
+def open_log_dir(args: argparse.Namespace) -> LogDir | None:
+    """The directory for the logs, before anything starts: --log-dir, made
+    or checked empty, else a new temporary directory when --redirects or
+    --tee names a stream; None when neither gives the logs a directory.
+
+    Raises:
+        LogDirError: the directory cannot be made, or is not empty.
+    """
     log_dir = args.log_dir
     wants_files = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
-    created = None  # the directory this run made to hold log_dir (itself included)
+    created: str | None  # the directory this run made to hold log_dir (itself included)
     if log_dir is None and wants_files:
-        try:
-            log_dir = tempfile.mkdtemp(prefix="fastspawn-run-")
-        except OSError as exc:
-            print(
-                f"fastspawn run: cannot make a log directory in {tempfile.gettempdir()}: "
-                f"{exc.strerror or exc}; give --log-dir or set TMPDIR",
-                file=sys.stderr,
-            )
-            return 2
-        created = log_dir
+        log_dir = created = _make_temporary_log_dir()
     elif log_dir is not None:
-        created = _missing_ancestor(log_dir)
-        try:
-            os.makedirs(log_dir, mode=0o700, exist_ok=True)
-            not_empty = bool(os.listdir(log_dir))
-        except OSError as exc:
-            if created is not None:
-                _remove_created(None, log_dir, created)
-            return _log_dir_error(log_dir, exc)
-        if not_empty:
-            print(
-                f"fastspawn run: --log-dir {log_dir} is not empty; give a new or empty "
-                "directory (each run writes attempt_N/ there)",
-                file=sys.stderr,
-            )
-            return 2
-    if log_dir is not None:
-        # The ranks get error file paths under it: a rank that changes its
-        # working directory (Hydra does) must still find them.
-        log_dir = os.path.abspath(log_dir)
+        created = _make_empty_log_dir(log_dir)
+    else:
+        return None
+    return LogDir(os.path.abspath(log_dir), created, args.log_dir)
 
+
+def _make_temporary_log_dir() -> str:
     try:
-        for attempt in range(args.max_restarts + 1):
-            attempt_dir = os.devnull
-            if log_dir is not None:
-                attempt_dir = os.path.join(log_dir, f"attempt_{attempt}")
-                try:
-                    os.mkdir(attempt_dir, 0o700)
-                except OSError as exc:  # an empty directory we may not write to
-                    _remove_created(None, log_dir, created)
-                    return _log_dir_error(args.log_dir or log_dir, exc)
-            envs = rank_envs(nprocs, nnodes, node_rank, addr, port, attempt, args.max_restarts)
-            ctx = None
-            stop_signals = None
-            try:
-                try:
-                    ctx = elastic.start_processes(
-                        name=name,
-                        entrypoint=entrypoint,
-                        args={rank: tuple(argv) for rank in range(nprocs)},
-                        envs=envs,
-                        log_dir=attempt_dir,
-                        redirects=args.redirects,
-                        tee=args.tee,
-                        log_line_prefixes={
-                            rank: f"[{name}{node_rank * nprocs + rank}]:" for rank in range(nprocs)
-                        },
-                    )
-                except BaseException:
-                    # Nothing ran: keep no empty log directories.  start_processes
-                    # removed the rank directories it made.
-                    if log_dir is not None:
-                        # rmdir stops at the first directory not empty: one that
-                        # holds an earlier attempt's logs, or the user's files.
-                        _remove_created(attempt_dir, log_dir, created)
-                    raise
-                stop_signals = _StopSignals(ctx)
-                stop_signals.install()
-                if attempt == 0 and log_dir is not None and args.log_dir is None:
-                    print(f"fastspawn run: logs in {log_dir}", file=sys.stderr)
-                result = ctx.wait()
-                assert result is not None
-                if not result.is_failed():
-                    return 0
-                local, failure = min(result.failures.items())
-                print(describe(failure, node_rank * nprocs + local), file=sys.stderr)
-                # Inside the try: a signal while the other ranks stop is handled
-                # as one while they run.
-                ctx.close(timeout=10)
-            except elastic.SignalException as exc:
-                if ctx is None:  # start_processes stopped what it had started
-                    print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
-                else:
-                    (stop_signals or _StopSignals(ctx)).stop(exc.sigval)
-                return 128 + int(exc.sigval)
-            except OSError as exc:
-                # OSError's str() ends with the filename: name it once, up front.
-                what = program if exc.filename is None else exc.filename
-                why = exc.strerror if exc.filename is not None and exc.strerror else str(exc)
-                print(f"fastspawn run: cannot start {what!r}: {why}", file=sys.stderr)
-                return 127 if isinstance(exc, FileNotFoundError) else 126
-            if attempt < args.max_restarts:
+        return tempfile.mkdtemp(prefix="fastspawn-run-")
+    except OSError as exc:
+        raise LogDirError(
+            f"fastspawn run: cannot make a log directory in {tempfile.gettempdir()}: "
+            f"{exc.strerror or exc}; give --log-dir or set TMPDIR"
+        ) from exc
+
+
+def _make_empty_log_dir(log_dir: str) -> str | None:
+    """Make ``log_dir`` (its parents too) unless it exists, and check that it
+    is empty; the topmost directory made, None when it existed."""
+    created = _missing_ancestor(log_dir)
+    try:
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        not_empty = bool(os.listdir(log_dir))
+    except OSError as exc:
+        if created is not None:
+            _remove_created(None, log_dir, created)
+        raise _log_dir_error(log_dir, exc) from exc
+    if not_empty:
+        raise LogDirError(
+            f"fastspawn run: --log-dir {log_dir} is not empty; give a new or empty "
+            "directory (each run writes attempt_N/ there)"
+        )
+    return created
+
+
+def run(args: argparse.Namespace) -> int:
+    config = run_config(args, os.environ)
+    try:
+        log_dir = open_log_dir(args)
+        return run_attempts(config, log_dir)
+    except LogDirError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def run_attempts(config: RunConfig, log_dir: LogDir | None) -> int:
+    """Run the group, again after a failure up to --max-restarts times; the
+    launcher's exit status."""
+    try:
+        for attempt in range(config.max_restarts + 1):
+            outcome = run_attempt(config, log_dir, attempt)
+            if isinstance(outcome, int):
+                return outcome
+            if attempt < config.max_restarts:
                 print(
-                    f"fastspawn run: restarting the group ({attempt + 1}/{args.max_restarts})",
+                    f"fastspawn run: restarting the group ({attempt + 1}/{config.max_restarts})",
                     file=sys.stderr,
                 )
                 continue
-            return exit_code(failure.exitcode)
+            return exit_code(outcome.exitcode)
     except elastic.SignalException as exc:
         # Between two attempts (the last one's ranks closed, the next not
         # started yet): nothing runs, so just stop.
         print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
         return 128 + int(exc.sigval)
     return 1  # pragma: no cover - the loop always returns
+
+
+def run_attempt(
+    config: RunConfig, log_dir: LogDir | None, attempt: int
+) -> int | elastic.ProcessFailure:
+    """Start the group once and wait for it: the launcher's exit status when
+    this ends the run (every rank succeeded, a stop signal, a program that
+    cannot start), else the first failed rank's failure, the other ranks
+    stopped.
+
+    Raises:
+        LogDirError: the attempt's log directory cannot be made.
+    """
+    attempt_dir = os.devnull if log_dir is None else log_dir.make_attempt_dir(attempt)
+    envs = rank_envs(
+        config.nprocs,
+        config.nnodes,
+        config.node_rank,
+        config.master_addr,
+        config.master_port,
+        attempt,
+        config.max_restarts,
+    )
+    ctx = None
+    stop_signals = None
+    try:
+        ctx = _start_ranks(config, envs, attempt_dir, log_dir)
+        stop_signals = _StopSignals(ctx)
+        stop_signals.install()
+        if attempt == 0 and log_dir is not None and log_dir.given is None:
+            print(f"fastspawn run: logs in {log_dir.path}", file=sys.stderr)
+        result = ctx.wait()
+        assert result is not None
+        if not result.is_failed():
+            return 0
+        local, failure = min(result.failures.items())
+        print(describe(failure, config.global_rank(local)), file=sys.stderr)
+        # Inside the try: a signal while the other ranks stop is handled
+        # as one while they run.
+        ctx.close(timeout=10)
+        return failure
+    except elastic.SignalException as exc:
+        if ctx is None:  # start_processes stopped what it had started
+            print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
+        else:
+            (stop_signals or _StopSignals(ctx)).stop(exc.sigval)
+        return 128 + int(exc.sigval)
+    except OSError as exc:
+        return _cannot_start(config.program, exc)
+
+
+def _start_ranks(
+    config: RunConfig,
+    envs: dict[int, dict[str, str]],
+    attempt_dir: str,
+    log_dir: LogDir | None,
+) -> elastic.PContext:
+    try:
+        return elastic.start_processes(
+            name=config.name,
+            entrypoint=config.entrypoint,
+            args={rank: config.argv for rank in range(config.nprocs)},
+            envs=envs,
+            log_dir=attempt_dir,
+            redirects=config.redirects,
+            tee=config.tee,
+            log_line_prefixes={
+                rank: f"[{config.name}{config.global_rank(rank)}]:" for rank in range(config.nprocs)
+            },
+        )
+    except BaseException:
+        # Nothing ran: keep no empty log directories.  start_processes
+        # removed the rank directories it made.
+        if log_dir is not None:
+            # rmdir stops at the first directory not empty: one that
+            # holds an earlier attempt's logs, or the user's files.
+            _remove_created(attempt_dir, log_dir.path, log_dir.created)
+        raise
+
+
+def _cannot_start(program: str, exc: OSError) -> int:
+    """Say why ``program`` could not start; the launcher's exit status, as a
+    shell's: 127 when it is not found, else 126."""
+    # OSError's str() ends with the filename: name it once, up front.
+    what = program if exc.filename is None else exc.filename
+    why = exc.strerror if exc.filename is not None and exc.strerror else str(exc)
+    print(f"fastspawn run: cannot start {what!r}: {why}", file=sys.stderr)
+    return 127 if isinstance(exc, FileNotFoundError) else 126
 
 
 def main(argv: Sequence[str] | None = None) -> int:

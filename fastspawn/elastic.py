@@ -662,6 +662,15 @@ class PContext:
         _forget_context(self)
         sig = signal.SIGTERM if death_sig is None else death_sig
         procs = [p for p in self._ctx.processes if p._exitcode is None]
+        self._stop_ranks(procs, sig, timeout)
+        self._drain_join_reports()
+        self._tee.join(idle_timeout=5.0)
+        if self._result is None:
+            self._result = self._closed_result()
+
+    def _stop_ranks(self, procs: list[Any], sig: signal.Signals | int, timeout: float) -> None:
+        """``sig`` to each of ``procs``; SIGKILL to those still alive after
+        ``timeout`` seconds in all; then reap them all."""
         for proc in procs:
             self._signal(proc, sig)
         deadline = time.monotonic() + timeout
@@ -675,6 +684,10 @@ class PContext:
                 self._signal(proc, signal.SIGKILL)
         for proc in procs:
             proc.join()
+
+    def _drain_join_reports(self) -> None:
+        """Let the ranks' context report every rank done, once all are reaped."""
+        assert self._ctx is not None
         # Every rank is reaped: join() now raises once for each rank that
         # ended badly, then returns True.  It never blocks here (timeout=0);
         # the bound, twice what that takes, only guards against a spin.
@@ -686,9 +699,6 @@ class PContext:
                 pass  # stopped on purpose; _closed_result reports it
         else:
             log.warning("close(): the ranks' context did not report them all done")
-        self._tee.join(idle_timeout=5.0)
-        if self._result is None:
-            self._result = self._closed_result()
 
     def _signal(self, proc: Any, sig: int) -> None:
         if isinstance(self.entrypoint, str) and proc._exitcode is None and proc.is_alive():
@@ -782,30 +792,7 @@ def start_processes(
             ones).
     """
     registry.get(start_method)  # before anything is made: an unknown one names the valid ones
-    directory: str | None = None
-    given = [x for x in (log_dir, logs_specs) if x is not None]
-    if isinstance(log_dir, (str, os.PathLike)):
-        directory = os.fspath(log_dir)
-    elif log_dir is not None:
-        logs_specs = log_dir  # torch 2.3+ passes it fifth
-    if len(given) != 1:
-        raise TypeError(
-            "start_processes() takes where logs go as log_dir (a directory) or as "
-            "logs_specs (a LogsSpecs such as DefaultLogsSpecs): give exactly one"
-        )
-    if logs_specs is not None:
-        if not callable(getattr(logs_specs, "reify", None)):
-            raise TypeError(
-                f"logs_specs must be a LogsSpecs (an object with reify(envs)), not "
-                f"{type(logs_specs).__name__}"
-            )
-        if not (redirects is Std.NONE and tee is Std.NONE):
-            raise TypeError(
-                "redirects and tee are part of logs_specs: give them to the LogsSpecs "
-                "(DefaultLogsSpecs(log_dir, redirects=..., tee=...)), not to start_processes"
-            )
-    if directory is not None and directory != os.devnull and os.listdir(directory):
-        raise RuntimeError(f"log_dir: {directory} is not empty, please provide an empty log_dir")
+    directory, logs_specs = _checked_log_args(log_dir, logs_specs, redirects, tee)
     nprocs = len(args)
     _validate_full_rank(args, nprocs, "args")
     _validate_full_rank(envs, nprocs, "envs")
@@ -818,13 +805,7 @@ def start_processes(
         binary_path = _resolve_binary(entrypoint, {**os.environ, **rank_envs.get(0, {})})
     rank_dirs: list[str] = []  # created by this call: removed if the start fails
     try:
-        if directory is not None:
-            dest = _rank_dirs(
-                directory, to_map(redirects, nprocs), to_map(tee, nprocs), rank_envs, rank_dirs
-            )
-        else:
-            assert logs_specs is not None
-            dest = logs_specs.reify(rank_envs)
+        dest = _logs_dest(directory, logs_specs, redirects, tee, rank_envs, rank_dirs)
         stdouts = {rank: dest.stdouts.get(rank, "") for rank in range(nprocs)}
         stderrs = {rank: dest.stderrs.get(rank, "") for rank in range(nprocs)}
         tee_out = _tee_flags(dest.tee_stdouts, stdouts, "stdout")
@@ -852,6 +833,60 @@ def start_processes(
             shutil.rmtree(rank_dir, ignore_errors=True)
         raise
     return context
+
+
+def _checked_log_args(
+    log_dir: str | os.PathLike[str] | LogsSpecs | None,
+    logs_specs: LogsSpecs | None,
+    redirects: Std | Mapping[int, Std],
+    tee: Std | Mapping[int, Std],
+) -> tuple[str | None, LogsSpecs | None]:
+    """Where start_processes' logs go, checked: ``(directory, None)`` for a
+    ``log_dir`` directory, ``(None, logs_specs)`` for a LogsSpecs, given
+    fifth (torch 2.3+) or by keyword.  Raises as start_processes documents."""
+    directory: str | None = None
+    given = [x for x in (log_dir, logs_specs) if x is not None]
+    if isinstance(log_dir, (str, os.PathLike)):
+        directory = os.fspath(log_dir)
+    elif log_dir is not None:
+        logs_specs = log_dir  # torch 2.3+ passes it fifth
+    if len(given) != 1:
+        raise TypeError(
+            "start_processes() takes where logs go as log_dir (a directory) or as "
+            "logs_specs (a LogsSpecs such as DefaultLogsSpecs): give exactly one"
+        )
+    if logs_specs is not None:
+        if not callable(getattr(logs_specs, "reify", None)):
+            raise TypeError(
+                f"logs_specs must be a LogsSpecs (an object with reify(envs)), not "
+                f"{type(logs_specs).__name__}"
+            )
+        if not (redirects is Std.NONE and tee is Std.NONE):
+            raise TypeError(
+                "redirects and tee are part of logs_specs: give them to the LogsSpecs "
+                "(DefaultLogsSpecs(log_dir, redirects=..., tee=...)), not to start_processes"
+            )
+    if directory is not None and directory != os.devnull and os.listdir(directory):
+        raise RuntimeError(f"log_dir: {directory} is not empty, please provide an empty log_dir")
+    return directory, logs_specs
+
+
+def _logs_dest(
+    directory: str | None,
+    logs_specs: LogsSpecs | None,
+    redirects: Std | Mapping[int, Std],
+    tee: Std | Mapping[int, Std],
+    envs: dict[int, dict[str, str]],
+    created: list[str],
+) -> LogsDest:
+    """Each rank's log files: the ``directory`` layout (``_rank_dirs``, which
+    appends each directory it makes to ``created``), else what
+    ``logs_specs`` makes of ``envs``."""
+    if directory is not None:
+        nprocs = len(envs)
+        return _rank_dirs(directory, to_map(redirects, nprocs), to_map(tee, nprocs), envs, created)
+    assert logs_specs is not None
+    return logs_specs.reify(envs)
 
 
 def _rank_dirs(
