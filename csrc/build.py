@@ -53,7 +53,16 @@ ffibuilder.set_source(
     # setuptools wants paths relative to the project root.
     sources=[
         f"csrc/{name}"
-        for name in ("pdeathsig.c", "pidfd.c", "waiter.c", "memory.c", "arena.c", "launch.c")
+        for name in (
+            "pdeathsig.c",
+            "pidfd.c",
+            "waiter.c",
+            "memory.c",
+            "arena.c",
+            "launch.c",
+            "group.c",
+            "fdidentity.c",
+        )
     ],
     include_dirs=["csrc"],
     extra_compile_args=["-Wall", "-Wextra", "-O2"],

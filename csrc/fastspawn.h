@@ -33,7 +33,7 @@ int fs_collapse_hugepages(uintptr_t addr, size_t len);
 int fs_arena_place(size_t size);
 int fs_arena_region(uintptr_t *base, size_t *size, size_t *used);
 
-/* launch.c */
+/* launch.c: clone + exec of a binary */
 struct fs_launch_spec {
     const char *path;          /* absolute or relative path of the binary */
     char *const *argv;         /* NULL-terminated */
@@ -52,8 +52,12 @@ struct fs_launch_spec {
     uint64_t sigmask;          /* bit n-1 blocks signal n; else the parent's mask */
 };
 int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+
+/* group.c: process groups whose leader is gone */
 int fs_group_anchor(void);
 int fs_group_anchor_release(pid_t anchor);
+
+/* fdidentity.c: which file, or open file description, an fd is */
 int fs_same_file(int a, int b);
 int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
 

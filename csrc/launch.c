@@ -5,9 +5,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,12 +20,6 @@
 #endif
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
-#endif
-#ifndef SYS_kcmp
-#define SYS_kcmp 312
-#endif
-#ifndef KCMP_FILE
-#define KCMP_FILE 0
 #endif
 
 /* The child's stack.  The child only runs the short, async-signal-safe
@@ -227,103 +219,4 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
         return -1;
     }
     return pid;
-}
-
-struct anchor_args {
-    volatile int err;   /* written by the child before it exits */
-};
-
-static int anchor_main(void *opaque)
-{
-    struct anchor_args *args = opaque;
-
-    if (setpgid(0, 0) != 0)
-        args->err = errno ? errno : EINVAL;
-    _exit(0);
-    return 0;
-}
-
-/* Start a process that makes a new process group and exits at once, and
- * return its pid: the id of that group.  Left unreaped, its zombie keeps the
- * group (and the id) in existence, so others can join it with setpgid(2);
- * once they have, fs_group_anchor_release() reaps it and the group lives on
- * with them.  A group led this way leaves none of its real members its
- * leader, and so free to setsid(2).
- *
- * clone(2) with CLONE_VM | CLONE_VFORK, as fs_launch: nothing is copied, and
- * the child runs two system calls on a stack of the caller's, which is
- * suspended meanwhile.  Every signal stays blocked in the child: no handler
- * of the caller's can run on the shared memory.  Its exit signal is none, so
- * the caller gets no SIGCHLD for it and a wait for any child (waitpid(-1),
- * without __WALL) neither sees nor reaps it.  EPERM and the like come back
- * as -1 with the child's errno, the child reaped.
- */
-int fs_group_anchor(void)
-{
-    char stack[16 * 1024] __attribute__((aligned(16)));
-    struct anchor_args args;
-    sigset_t all, old;
-    pid_t pid;
-    int saved;
-
-    args.err = 0;
-    sigfillset(&all);
-    if (pthread_sigmask(SIG_SETMASK, &all, &old) != 0)
-        return -1;
-    pid = clone(anchor_main, stack + sizeof(stack), CLONE_VM | CLONE_VFORK, &args);
-    saved = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (pid < 0) {
-        errno = saved;
-        return -1;
-    }
-    if (args.err != 0) {
-        fs_group_anchor_release(pid);
-        errno = args.err;
-        return -1;
-    }
-    return pid;
-}
-
-/* Reap an anchor from fs_group_anchor (its group lives on while it has
- * members). */
-int fs_group_anchor_release(pid_t anchor)
-{
-    int status;
-
-    while (waitpid(anchor, &status, __WALL) < 0)
-        if (errno != EINTR)
-            return -1;
-    return 0;
-}
-
-/* kcmp(2) with KCMP_FILE: whether fds `a` and `b` of this process refer to
- * the same open file description (dup'd, inherited or passed over a socket:
- * one file offset, one set of status flags).  Returns 1 if so, 0 if not.
- * ENOSYS without CONFIG_KCMP, EPERM where a seccomp policy (some container
- * runtimes) or ptrace restrictions refuse it: the caller then cannot tell.
- */
-int fs_same_file(int a, int b)
-{
-    pid_t self = getpid();
-    long r = syscall(SYS_kcmp, self, self, KCMP_FILE, (unsigned long)a, (unsigned long)b);
-
-    if (r < 0)
-        return -1;
-    return r == 0 ? 1 : 0;
-}
-
-/* fstat(2) reduced to a yes/no: 1 if `fd` is open on the file whose device
- * and inode numbers are `dev` and `ino`, 0 if it is open on another one or
- * closed (EBADF).  A worker checks its report channel with it before each
- * report: the same check from Python would build a stat result, and the
- * pages that takes would be copied in every worker.
- */
-int fs_fd_is(int fd, uint64_t dev, uint64_t ino)
-{
-    struct stat st;
-
-    if (fstat(fd, &st) != 0)
-        return errno == EBADF ? 0 : -1;
-    return (uint64_t)st.st_dev == dev && (uint64_t)st.st_ino == ino;
 }
