@@ -4,6 +4,12 @@
  * Results come back through out-pointers.  Nothing here prints or exits the
  * calling process; the policy lives in Python.  The one piece of global
  * state is arena.c's region, as the allocator hook it serves is process-wide.
+ *
+ * This header is the one definition of the API: build.py strips its comments
+ * and preprocessor lines and hands the rest to cffi's cdef.  So below the
+ * includes it holds only what cdef parses: declarations of functions,
+ * structs and enums (no macros, no inline functions); a system type other
+ * than the <stdint.h> ones needs a line in build.py, as pid_t has.
  */
 #ifndef FASTSPAWN_H
 #define FASTSPAWN_H
