@@ -71,18 +71,15 @@ static int cloexec_from(int lowfd)
     return 0;
 }
 
-static int child_main(void *opaque)
+/* Reset every caught signal to its default.  Signals are blocked (the parent
+ * blocked them before clone), and must stay so until this ran: a handler of
+ * the parent's running here would run on shared memory.  SIGPIPE goes back
+ * to default as well; Python ignores it and binaries expect the default. */
+static void reset_signal_handlers(void)
 {
-    struct child_args *args = opaque;
-    const struct fs_launch_spec *s = args->spec;
     struct sigaction sa;
-    int sig, i;
-    int std_fds[3];
+    int sig;
 
-    /* Signals are blocked (the parent blocked them before clone).  Reset
-     * every caught signal to its default before unblocking: a handler of the
-     * parent's running here would run on shared memory.  SIGPIPE goes back to
-     * default as well; Python ignores it and binaries expect the default. */
     memset(&sa, 0, sizeof(sa));
     for (sig = 1; sig < NSIG; sig++) {
         struct sigaction old;
@@ -96,16 +93,26 @@ static int child_main(void *opaque)
             sigaction(sig, &sa, NULL);
         }
     }
+}
 
-    if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
-        child_fail(args);
-    if (s->new_session && setsid() < 0)
-        child_fail(args);
-    if (!s->new_session && s->new_process_group && setpgid(0, 0) != 0)
-        child_fail(args);
-    if (!s->new_session && !s->new_process_group && s->process_group > 0 &&
-        setpgid(0, s->process_group) != 0)
-        child_fail(args);
+/* setsid(), or setpgid() into a new group or the spec's one: 0, or -1 with
+ * errno. */
+static int set_group(const struct fs_launch_spec *s)
+{
+    if (s->new_session)
+        return setsid() < 0 ? -1 : 0;
+    if (s->new_process_group)
+        return setpgid(0, 0);
+    if (s->process_group > 0)
+        return setpgid(0, s->process_group);
+    return 0;
+}
+
+/* Put the spec's stdin/stdout/stderr fds on 0..2, inheritable. */
+static int redirect_stdio(const struct fs_launch_spec *s)
+{
+    int std_fds[3];
+    int i;
 
     std_fds[0] = s->stdin_fd;
     std_fds[1] = s->stdout_fd;
@@ -116,7 +123,7 @@ static int child_main(void *opaque)
         if (std_fds[i] >= 0 && std_fds[i] < 3 && std_fds[i] != i) {
             int moved = fcntl(std_fds[i], F_DUPFD_CLOEXEC, 3);
             if (moved < 0)
-                child_fail(args);
+                return -1;
             std_fds[i] = moved;
         }
     }
@@ -125,34 +132,62 @@ static int child_main(void *opaque)
             continue;
         if (std_fds[i] == i) {
             if (set_inheritable(i) != 0)
-                child_fail(args);
+                return -1;
         } else if (dup2(std_fds[i], i) < 0) {
-            child_fail(args);
+            return -1;
         }
     }
+    return 0;
+}
+
+/* Every fd >= 3 close-on-exec but the spec's keep_fds. */
+static int keep_only_keep_fds(const struct fs_launch_spec *s)
+{
+    int i;
 
     cloexec_from(3);
     for (i = 0; i < s->n_keep_fds; i++)
         if (s->keep_fds[i] >= 3 && set_inheritable(s->keep_fds[i]) != 0)
-            child_fail(args);
+            return -1;
+    return 0;
+}
 
+/* The signal mask the program starts with: the one the spec gives, or the
+ * parent's from before the launch blocked everything. */
+static int set_program_mask(const struct fs_launch_spec *s, const sigset_t *parent_mask)
+{
+    sigset_t mask;
+    int sig;
+
+    if (!s->set_sigmask)
+        return sigprocmask(SIG_SETMASK, parent_mask, NULL);
+    /* The parent's own mask is a held one (every signal blocked across a
+     * launch), which a program must not start with. */
+    sigemptyset(&mask);
+    for (sig = 1; sig <= 64 && sig < NSIG; sig++)
+        if (s->sigmask & (1ULL << (sig - 1)))
+            sigaddset(&mask, sig);   /* EINVAL for glibc's own: skipped */
+    return sigprocmask(SIG_SETMASK, &mask, NULL);
+}
+
+static int child_main(void *opaque)
+{
+    struct child_args *args = opaque;
+    const struct fs_launch_spec *s = args->spec;
+
+    reset_signal_handlers();
+    if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
+        child_fail(args);
+    if (set_group(s) != 0)
+        child_fail(args);
+    if (redirect_stdio(s) != 0)
+        child_fail(args);
+    if (keep_only_keep_fds(s) != 0)
+        child_fail(args);
     if (s->cwd != NULL && chdir(s->cwd) != 0)
         child_fail(args);
-
-    if (s->set_sigmask) {
-        /* The mask the parent asked for: its own is a held one (every
-         * signal blocked across a launch), which a program must not start
-         * with. */
-        sigset_t mask;
-        sigemptyset(&mask);
-        for (sig = 1; sig <= 64 && sig < NSIG; sig++)
-            if (s->sigmask & (1ULL << (sig - 1)))
-                sigaddset(&mask, sig);   /* EINVAL for glibc's own: skipped */
-        if (sigprocmask(SIG_SETMASK, &mask, NULL) != 0)
-            child_fail(args);
-    } else if (sigprocmask(SIG_SETMASK, &args->parent_mask, NULL) != 0) {
+    if (set_program_mask(s, &args->parent_mask) != 0)
         child_fail(args);
-    }
     execve(s->path, s->argv, s->envp);
     child_fail(args);
     return 127;
@@ -166,10 +201,10 @@ static int child_main(void *opaque)
  * the parent sleeps until the child has exec'd or failed.  CLONE_PIDFD hands
  * back a pidfd atomically.  In the child, before exec: signal handlers reset,
  * PR_SET_PDEATHSIG armed and the parent re-checked (fs_set_pdeathsig), an
- * optional setsid() or setpgid() (a new group, or joining one), stdio redirected, every fd but 0..2 and keep_fds closed
- * on exec, cwd changed, the signal mask set (the parent's, or the one the spec
- * gives).  A failure in any of those steps, the exec included,
- * comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
+ * optional setsid() or setpgid() (a new group, or joining one), stdio
+ * redirected, every fd but 0..2 and keep_fds closed on exec, cwd changed, the
+ * signal mask set (the parent's, or the one the spec gives).  A failure in any
+ * of those steps, the exec included, comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
  * child already reaped.
  *
  * PR_SET_PDEATHSIG is tied to the calling *thread*: call this from a thread
