@@ -57,7 +57,22 @@ struct fs_launch_spec {
     int set_sigmask;           /* non-zero: the child's signal mask is sigmask */
     uint64_t sigmask;          /* bit n-1 blocks signal n; else the parent's mask */
 };
-int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+
+/* The step of a launch that failed, fs_launch's *failed_step: what errno is
+ * about (ENOENT from FS_STEP_CHDIR is the cwd's, not the binary's). */
+enum fs_launch_step {
+    FS_STEP_NONE = 0,          /* the launch succeeded */
+    FS_STEP_CLONE = 1,         /* in the caller: the child's stack, clone(2) */
+    FS_STEP_PDEATHSIG = 2,     /* in the child: PR_SET_PDEATHSIG, ppid check */
+    FS_STEP_SETSID = 3,        /* setsid() for new_session */
+    FS_STEP_SETPGID = 4,       /* setpgid(): new_process_group, process_group */
+    FS_STEP_STDIO = 5,         /* stdin_fd, stdout_fd, stderr_fd onto 0..2 */
+    FS_STEP_KEEP_FDS = 6,      /* keep_fds made inheritable */
+    FS_STEP_CHDIR = 7,         /* chdir(cwd) */
+    FS_STEP_SIGMASK = 8,       /* the program's signal mask */
+    FS_STEP_EXEC = 9           /* execve(path) */
+};
+int fs_launch(const struct fs_launch_spec *spec, int *pidfd, int *failed_step);
 
 /* group.c: process groups whose leader is gone */
 int fs_group_anchor(void);

@@ -30,16 +30,23 @@ struct child_args {
     const struct fs_launch_spec *spec;
     pid_t parent;
     sigset_t parent_mask;
-    volatile int err;   /* written by the child, read after it exec'd or died */
+    /* Written by the child, read after it exec'd or died: */
+    volatile int step;  /* the enum fs_launch_step that failed */
+    volatile int err;   /* its errno; non-zero means the launch failed */
 };
 
 /* Between clone and exec the child shares the parent's memory (CLONE_VM), so
  * it may only make async-signal-safe calls and must not touch the heap.  It
- * reports a failure by storing errno in args->err and exiting: the parent
- * (suspended by CLONE_VFORK until exec or exit) reads it after. */
-static int child_fail(struct child_args *args)
+ * reports a failure by storing the failed step and its errno in `args` and
+ * exiting: the parent (suspended by CLONE_VFORK until exec or exit) reads
+ * them after.  Two stores to memory and _exit(2): async-signal-safe. */
+__attribute__((noreturn))
+static void child_fail(struct child_args *args, enum fs_launch_step step)
 {
-    args->err = errno ? errno : EINVAL;
+    int err = errno;
+
+    args->step = step;
+    args->err = err ? err : EINVAL;
     _exit(127);
 }
 
@@ -177,24 +184,23 @@ static int child_main(void *opaque)
 
     reset_signal_handlers();
     if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
-        child_fail(args);
+        child_fail(args, FS_STEP_PDEATHSIG);
     if (set_group(s) != 0)
-        child_fail(args);
+        child_fail(args, s->new_session ? FS_STEP_SETSID : FS_STEP_SETPGID);
     if (redirect_stdio(s) != 0)
-        child_fail(args);
+        child_fail(args, FS_STEP_STDIO);
     if (keep_only_keep_fds(s) != 0)
-        child_fail(args);
+        child_fail(args, FS_STEP_KEEP_FDS);
     if (s->cwd != NULL && chdir(s->cwd) != 0)
-        child_fail(args);
+        child_fail(args, FS_STEP_CHDIR);
     if (set_program_mask(s, &args->parent_mask) != 0)
-        child_fail(args);
+        child_fail(args, FS_STEP_SIGMASK);
     execve(s->path, s->argv, s->envp);
-    child_fail(args);
-    return 127;
+    child_fail(args, FS_STEP_EXEC);
 }
 
 /* Start `spec->path` as a new process and return its pid, with a pidfd in
- * *pidfd.
+ * *pidfd and FS_STEP_NONE in *failed_step.
  *
  * clone(2) with CLONE_VM | CLONE_VFORK, as posix_spawn(3) does: no page
  * tables are copied, so the cost does not grow with the parent's memory, and
@@ -204,13 +210,16 @@ static int child_main(void *opaque)
  * optional setsid() or setpgid() (a new group, or joining one), stdio
  * redirected, every fd but 0..2 and keep_fds closed on exec, cwd changed, the
  * signal mask set (the parent's, or the one the spec gives).  A failure in any
- * of those steps, the exec included, comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
- * child already reaped.
+ * of those steps, the exec included, comes back here as -1 with the child's
+ * errno (ENOENT, EACCES, ...), the step in *failed_step, and the child
+ * already reaped: so ENOENT from FS_STEP_CHDIR is the cwd's, not the
+ * binary's.  A failure before the child ran (the mmap of its stack, clone(2)
+ * itself) is FS_STEP_CLONE.
  *
  * PR_SET_PDEATHSIG is tied to the calling *thread*: call this from a thread
  * that lives as long as the process.
  */
-int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
+int fs_launch(const struct fs_launch_spec *spec, int *pidfd, int *failed_step)
 {
     struct child_args args;
     sigset_t all;
@@ -222,6 +231,7 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
     args.spec = spec;
     args.parent = getpid();
     *pidfd = -1;
+    *failed_step = FS_STEP_CLONE;
 
     stack = mmap(NULL, CHILD_STACK_SIZE, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
@@ -250,8 +260,10 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
         if (*pidfd >= 0)
             close(*pidfd);
         *pidfd = -1;
+        *failed_step = args.step;
         errno = args.err;
         return -1;
     }
+    *failed_step = FS_STEP_NONE;
     return pid;
 }
