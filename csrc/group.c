@@ -46,8 +46,12 @@ int fs_group_anchor(void)
 
     args.err = 0;
     sigfillset(&all);
-    if (pthread_sigmask(SIG_SETMASK, &all, &old) != 0)
+    /* pthread_sigmask returns its error, and leaves errno alone. */
+    saved = pthread_sigmask(SIG_SETMASK, &all, &old);
+    if (saved != 0) {
+        errno = saved;
         return -1;
+    }
     pid = clone(anchor_main, stack + sizeof(stack), CLONE_VM | CLONE_VFORK, &args);
     saved = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);

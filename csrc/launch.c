@@ -239,8 +239,11 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd, int *failed_step)
         return -1;
 
     sigfillset(&all);
-    if (pthread_sigmask(SIG_SETMASK, &all, &args.parent_mask) != 0) {
+    /* pthread_sigmask returns its error, and leaves errno alone. */
+    saved = pthread_sigmask(SIG_SETMASK, &all, &args.parent_mask);
+    if (saved != 0) {
         munmap(stack, CHILD_STACK_SIZE);
+        errno = saved;
         return -1;
     }
     pid = clone(child_main, (char *)stack + CHILD_STACK_SIZE,
