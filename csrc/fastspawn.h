@@ -4,6 +4,12 @@
  * Results come back through out-pointers.  Nothing here prints or exits the
  * calling process; the policy lives in Python.  The one piece of global
  * state is arena.c's region, as the allocator hook it serves is process-wide.
+ *
+ * This header is the one definition of the API: build.py strips its comments
+ * and preprocessor lines and hands the rest to cffi's cdef.  So below the
+ * includes it holds only what cdef parses: declarations of functions,
+ * structs and enums (no macros, no inline functions); a system type other
+ * than the <stdint.h> ones needs a line in build.py, as pid_t has.
  */
 #ifndef FASTSPAWN_H
 #define FASTSPAWN_H
@@ -33,7 +39,7 @@ int fs_collapse_hugepages(uintptr_t addr, size_t len);
 int fs_arena_place(size_t size);
 int fs_arena_region(uintptr_t *base, size_t *size, size_t *used);
 
-/* launch.c */
+/* launch.c: clone + exec of a binary */
 struct fs_launch_spec {
     const char *path;          /* absolute or relative path of the binary */
     char *const *argv;         /* NULL-terminated */
@@ -51,9 +57,28 @@ struct fs_launch_spec {
     int set_sigmask;           /* non-zero: the child's signal mask is sigmask */
     uint64_t sigmask;          /* bit n-1 blocks signal n; else the parent's mask */
 };
-int fs_launch(const struct fs_launch_spec *spec, int *pidfd);
+
+/* The step of a launch that failed, fs_launch's *failed_step: what errno is
+ * about (ENOENT from FS_STEP_CHDIR is the cwd's, not the binary's). */
+enum fs_launch_step {
+    FS_STEP_NONE = 0,          /* the launch succeeded */
+    FS_STEP_CLONE = 1,         /* in the caller: the child's stack, clone(2) */
+    FS_STEP_PDEATHSIG = 2,     /* in the child: PR_SET_PDEATHSIG, ppid check */
+    FS_STEP_SETSID = 3,        /* setsid() for new_session */
+    FS_STEP_SETPGID = 4,       /* setpgid(): new_process_group, process_group */
+    FS_STEP_STDIO = 5,         /* stdin_fd, stdout_fd, stderr_fd onto 0..2 */
+    FS_STEP_KEEP_FDS = 6,      /* keep_fds made inheritable */
+    FS_STEP_CHDIR = 7,         /* chdir(cwd) */
+    FS_STEP_SIGMASK = 8,       /* the program's signal mask */
+    FS_STEP_EXEC = 9           /* execve(path) */
+};
+int fs_launch(const struct fs_launch_spec *spec, int *pidfd, int *failed_step);
+
+/* group.c: process groups whose leader is gone */
 int fs_group_anchor(void);
 int fs_group_anchor_release(pid_t anchor);
+
+/* fdidentity.c: which file, or open file description, an fd is */
 int fs_same_file(int a, int b);
 int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
 

@@ -5,9 +5,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,12 +21,6 @@
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
 #endif
-#ifndef SYS_kcmp
-#define SYS_kcmp 312
-#endif
-#ifndef KCMP_FILE
-#define KCMP_FILE 0
-#endif
 
 /* The child's stack.  The child only runs the short, async-signal-safe
  * sequence below, so this is generous. */
@@ -38,16 +30,23 @@ struct child_args {
     const struct fs_launch_spec *spec;
     pid_t parent;
     sigset_t parent_mask;
-    volatile int err;   /* written by the child, read after it exec'd or died */
+    /* Written by the child, read after it exec'd or died: */
+    volatile int step;  /* the enum fs_launch_step that failed */
+    volatile int err;   /* its errno; non-zero means the launch failed */
 };
 
 /* Between clone and exec the child shares the parent's memory (CLONE_VM), so
  * it may only make async-signal-safe calls and must not touch the heap.  It
- * reports a failure by storing errno in args->err and exiting: the parent
- * (suspended by CLONE_VFORK until exec or exit) reads it after. */
-static int child_fail(struct child_args *args)
+ * reports a failure by storing the failed step and its errno in `args` and
+ * exiting: the parent (suspended by CLONE_VFORK until exec or exit) reads
+ * them after.  Two stores to memory and _exit(2): async-signal-safe. */
+__attribute__((noreturn))
+static void child_fail(struct child_args *args, enum fs_launch_step step)
 {
-    args->err = errno ? errno : EINVAL;
+    int err = errno;
+
+    args->step = step;
+    args->err = err ? err : EINVAL;
     _exit(127);
 }
 
@@ -79,18 +78,15 @@ static int cloexec_from(int lowfd)
     return 0;
 }
 
-static int child_main(void *opaque)
+/* Reset every caught signal to its default.  Signals are blocked (the parent
+ * blocked them before clone), and must stay so until this ran: a handler of
+ * the parent's running here would run on shared memory.  SIGPIPE goes back
+ * to default as well; Python ignores it and binaries expect the default. */
+static void reset_signal_handlers(void)
 {
-    struct child_args *args = opaque;
-    const struct fs_launch_spec *s = args->spec;
     struct sigaction sa;
-    int sig, i;
-    int std_fds[3];
+    int sig;
 
-    /* Signals are blocked (the parent blocked them before clone).  Reset
-     * every caught signal to its default before unblocking: a handler of the
-     * parent's running here would run on shared memory.  SIGPIPE goes back to
-     * default as well; Python ignores it and binaries expect the default. */
     memset(&sa, 0, sizeof(sa));
     for (sig = 1; sig < NSIG; sig++) {
         struct sigaction old;
@@ -104,16 +100,26 @@ static int child_main(void *opaque)
             sigaction(sig, &sa, NULL);
         }
     }
+}
 
-    if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
-        child_fail(args);
-    if (s->new_session && setsid() < 0)
-        child_fail(args);
-    if (!s->new_session && s->new_process_group && setpgid(0, 0) != 0)
-        child_fail(args);
-    if (!s->new_session && !s->new_process_group && s->process_group > 0 &&
-        setpgid(0, s->process_group) != 0)
-        child_fail(args);
+/* setsid(), or setpgid() into a new group or the spec's one: 0, or -1 with
+ * errno. */
+static int set_group(const struct fs_launch_spec *s)
+{
+    if (s->new_session)
+        return setsid() < 0 ? -1 : 0;
+    if (s->new_process_group)
+        return setpgid(0, 0);
+    if (s->process_group > 0)
+        return setpgid(0, s->process_group);
+    return 0;
+}
+
+/* Put the spec's stdin/stdout/stderr fds on 0..2, inheritable. */
+static int redirect_stdio(const struct fs_launch_spec *s)
+{
+    int std_fds[3];
+    int i;
 
     std_fds[0] = s->stdin_fd;
     std_fds[1] = s->stdout_fd;
@@ -124,7 +130,7 @@ static int child_main(void *opaque)
         if (std_fds[i] >= 0 && std_fds[i] < 3 && std_fds[i] != i) {
             int moved = fcntl(std_fds[i], F_DUPFD_CLOEXEC, 3);
             if (moved < 0)
-                child_fail(args);
+                return -1;
             std_fds[i] = moved;
         }
     }
@@ -133,57 +139,87 @@ static int child_main(void *opaque)
             continue;
         if (std_fds[i] == i) {
             if (set_inheritable(i) != 0)
-                child_fail(args);
+                return -1;
         } else if (dup2(std_fds[i], i) < 0) {
-            child_fail(args);
+            return -1;
         }
     }
+    return 0;
+}
+
+/* Every fd >= 3 close-on-exec but the spec's keep_fds. */
+static int keep_only_keep_fds(const struct fs_launch_spec *s)
+{
+    int i;
 
     cloexec_from(3);
     for (i = 0; i < s->n_keep_fds; i++)
         if (s->keep_fds[i] >= 3 && set_inheritable(s->keep_fds[i]) != 0)
-            child_fail(args);
+            return -1;
+    return 0;
+}
 
+/* The signal mask the program starts with: the one the spec gives, or the
+ * parent's from before the launch blocked everything. */
+static int set_program_mask(const struct fs_launch_spec *s, const sigset_t *parent_mask)
+{
+    sigset_t mask;
+    int sig;
+
+    if (!s->set_sigmask)
+        return sigprocmask(SIG_SETMASK, parent_mask, NULL);
+    /* The parent's own mask is a held one (every signal blocked across a
+     * launch), which a program must not start with. */
+    sigemptyset(&mask);
+    for (sig = 1; sig <= 64 && sig < NSIG; sig++)
+        if (s->sigmask & (1ULL << (sig - 1)))
+            sigaddset(&mask, sig);   /* EINVAL for glibc's own: skipped */
+    return sigprocmask(SIG_SETMASK, &mask, NULL);
+}
+
+static int child_main(void *opaque)
+{
+    struct child_args *args = opaque;
+    const struct fs_launch_spec *s = args->spec;
+
+    reset_signal_handlers();
+    if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
+        child_fail(args, FS_STEP_PDEATHSIG);
+    if (set_group(s) != 0)
+        child_fail(args, s->new_session ? FS_STEP_SETSID : FS_STEP_SETPGID);
+    if (redirect_stdio(s) != 0)
+        child_fail(args, FS_STEP_STDIO);
+    if (keep_only_keep_fds(s) != 0)
+        child_fail(args, FS_STEP_KEEP_FDS);
     if (s->cwd != NULL && chdir(s->cwd) != 0)
-        child_fail(args);
-
-    if (s->set_sigmask) {
-        /* The mask the parent asked for: its own is a held one (every
-         * signal blocked across a launch), which a program must not start
-         * with. */
-        sigset_t mask;
-        sigemptyset(&mask);
-        for (sig = 1; sig <= 64 && sig < NSIG; sig++)
-            if (s->sigmask & (1ULL << (sig - 1)))
-                sigaddset(&mask, sig);   /* EINVAL for glibc's own: skipped */
-        if (sigprocmask(SIG_SETMASK, &mask, NULL) != 0)
-            child_fail(args);
-    } else if (sigprocmask(SIG_SETMASK, &args->parent_mask, NULL) != 0) {
-        child_fail(args);
-    }
+        child_fail(args, FS_STEP_CHDIR);
+    if (set_program_mask(s, &args->parent_mask) != 0)
+        child_fail(args, FS_STEP_SIGMASK);
     execve(s->path, s->argv, s->envp);
-    child_fail(args);
-    return 127;
+    child_fail(args, FS_STEP_EXEC);
 }
 
 /* Start `spec->path` as a new process and return its pid, with a pidfd in
- * *pidfd.
+ * *pidfd and FS_STEP_NONE in *failed_step.
  *
  * clone(2) with CLONE_VM | CLONE_VFORK, as posix_spawn(3) does: no page
  * tables are copied, so the cost does not grow with the parent's memory, and
  * the parent sleeps until the child has exec'd or failed.  CLONE_PIDFD hands
  * back a pidfd atomically.  In the child, before exec: signal handlers reset,
  * PR_SET_PDEATHSIG armed and the parent re-checked (fs_set_pdeathsig), an
- * optional setsid() or setpgid() (a new group, or joining one), stdio redirected, every fd but 0..2 and keep_fds closed
- * on exec, cwd changed, the signal mask set (the parent's, or the one the spec
- * gives).  A failure in any of those steps, the exec included,
- * comes back here as -1 with the child's errno (ENOENT, EACCES, ...) and the
- * child already reaped.
+ * optional setsid() or setpgid() (a new group, or joining one), stdio
+ * redirected, every fd but 0..2 and keep_fds closed on exec, cwd changed, the
+ * signal mask set (the parent's, or the one the spec gives).  A failure in any
+ * of those steps, the exec included, comes back here as -1 with the child's
+ * errno (ENOENT, EACCES, ...), the step in *failed_step, and the child
+ * already reaped: so ENOENT from FS_STEP_CHDIR is the cwd's, not the
+ * binary's.  A failure before the child ran (the mmap of its stack, clone(2)
+ * itself) is FS_STEP_CLONE.
  *
  * PR_SET_PDEATHSIG is tied to the calling *thread*: call this from a thread
  * that lives as long as the process.
  */
-int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
+int fs_launch(const struct fs_launch_spec *spec, int *pidfd, int *failed_step)
 {
     struct child_args args;
     sigset_t all;
@@ -195,6 +231,7 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
     args.spec = spec;
     args.parent = getpid();
     *pidfd = -1;
+    *failed_step = FS_STEP_CLONE;
 
     stack = mmap(NULL, CHILD_STACK_SIZE, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
@@ -202,8 +239,11 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
         return -1;
 
     sigfillset(&all);
-    if (pthread_sigmask(SIG_SETMASK, &all, &args.parent_mask) != 0) {
+    /* pthread_sigmask returns its error, and leaves errno alone. */
+    saved = pthread_sigmask(SIG_SETMASK, &all, &args.parent_mask);
+    if (saved != 0) {
         munmap(stack, CHILD_STACK_SIZE);
+        errno = saved;
         return -1;
     }
     pid = clone(child_main, (char *)stack + CHILD_STACK_SIZE,
@@ -223,107 +263,10 @@ int fs_launch(const struct fs_launch_spec *spec, int *pidfd)
         if (*pidfd >= 0)
             close(*pidfd);
         *pidfd = -1;
+        *failed_step = args.step;
         errno = args.err;
         return -1;
     }
+    *failed_step = FS_STEP_NONE;
     return pid;
-}
-
-struct anchor_args {
-    volatile int err;   /* written by the child before it exits */
-};
-
-static int anchor_main(void *opaque)
-{
-    struct anchor_args *args = opaque;
-
-    if (setpgid(0, 0) != 0)
-        args->err = errno ? errno : EINVAL;
-    _exit(0);
-    return 0;
-}
-
-/* Start a process that makes a new process group and exits at once, and
- * return its pid: the id of that group.  Left unreaped, its zombie keeps the
- * group (and the id) in existence, so others can join it with setpgid(2);
- * once they have, fs_group_anchor_release() reaps it and the group lives on
- * with them.  A group led this way leaves none of its real members its
- * leader, and so free to setsid(2).
- *
- * clone(2) with CLONE_VM | CLONE_VFORK, as fs_launch: nothing is copied, and
- * the child runs two system calls on a stack of the caller's, which is
- * suspended meanwhile.  Every signal stays blocked in the child: no handler
- * of the caller's can run on the shared memory.  Its exit signal is none, so
- * the caller gets no SIGCHLD for it and a wait for any child (waitpid(-1),
- * without __WALL) neither sees nor reaps it.  EPERM and the like come back
- * as -1 with the child's errno, the child reaped.
- */
-int fs_group_anchor(void)
-{
-    char stack[16 * 1024] __attribute__((aligned(16)));
-    struct anchor_args args;
-    sigset_t all, old;
-    pid_t pid;
-    int saved;
-
-    args.err = 0;
-    sigfillset(&all);
-    if (pthread_sigmask(SIG_SETMASK, &all, &old) != 0)
-        return -1;
-    pid = clone(anchor_main, stack + sizeof(stack), CLONE_VM | CLONE_VFORK, &args);
-    saved = errno;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (pid < 0) {
-        errno = saved;
-        return -1;
-    }
-    if (args.err != 0) {
-        fs_group_anchor_release(pid);
-        errno = args.err;
-        return -1;
-    }
-    return pid;
-}
-
-/* Reap an anchor from fs_group_anchor (its group lives on while it has
- * members). */
-int fs_group_anchor_release(pid_t anchor)
-{
-    int status;
-
-    while (waitpid(anchor, &status, __WALL) < 0)
-        if (errno != EINTR)
-            return -1;
-    return 0;
-}
-
-/* kcmp(2) with KCMP_FILE: whether fds `a` and `b` of this process refer to
- * the same open file description (dup'd, inherited or passed over a socket:
- * one file offset, one set of status flags).  Returns 1 if so, 0 if not.
- * ENOSYS without CONFIG_KCMP, EPERM where a seccomp policy (some container
- * runtimes) or ptrace restrictions refuse it: the caller then cannot tell.
- */
-int fs_same_file(int a, int b)
-{
-    pid_t self = getpid();
-    long r = syscall(SYS_kcmp, self, self, KCMP_FILE, (unsigned long)a, (unsigned long)b);
-
-    if (r < 0)
-        return -1;
-    return r == 0 ? 1 : 0;
-}
-
-/* fstat(2) reduced to a yes/no: 1 if `fd` is open on the file whose device
- * and inode numbers are `dev` and `ino`, 0 if it is open on another one or
- * closed (EBADF).  A worker checks its report channel with it before each
- * report: the same check from Python would build a stat result, and the
- * pages that takes would be copied in every worker.
- */
-int fs_fd_is(int fd, uint64_t dev, uint64_t ino)
-{
-    struct stat st;
-
-    if (fstat(fd, &st) != 0)
-        return errno == EBADF ? 0 : -1;
-    return (uint64_t)st.st_dev == dev && (uint64_t)st.st_ino == ino;
 }

@@ -24,11 +24,21 @@ def _advice(err: int) -> str:
     return ""
 
 
+def _error(err: int, call: str, filename: str | None = None) -> OSError:
+    """The OSError for errno ``err`` from the C call ``call``.  ``filename``
+    is what the call was about; left out where the errno is a limit of this
+    process, not that file's fault."""
+    advice = _advice(err)
+    message = f"{os.strerror(err)} (from {call}){advice}"
+    # OSError(errno, ...) picks the subclass itself (ProcessLookupError, ...).
+    if filename is None or advice:
+        return OSError(err, message)
+    return OSError(err, message, filename)
+
+
 def _raise_errno(call: str) -> NoReturn:
     """Turn the errno of a failed C call into the matching OSError subclass."""
-    err = ffi.errno
-    # OSError(errno, ...) picks the subclass itself (ProcessLookupError, ...).
-    raise OSError(err, f"{os.strerror(err)} (from {call}){_advice(err)}")
+    raise _error(ffi.errno, call)
 
 
 def set_pdeathsig(sig: int, expected_ppid: int) -> None:
@@ -246,7 +256,8 @@ def launch(
     Raises:
         OSError: the child could not be set up or exec'd; the subclass matches
             the errno (FileNotFoundError, PermissionError, ...) and the
-            message names ``path``.
+            message names the step that failed.  The error's filename is
+            ``path`` when the exec failed, ``cwd`` when the chdir to it did.
     """
     keep: list[Any] = []
     fsenc = os.fsencode
@@ -276,15 +287,42 @@ def launch(
         spec.set_sigmask = 1
         spec.sigmask = _mask_bits(outside)
     pidfd = ffi.new("int *")
-    pid = lib.fs_launch(spec, pidfd)
+    step = ffi.new("int *")
+    pid = lib.fs_launch(spec, pidfd, step)
     if pid < 0:
         err = ffi.errno
-        advice = _advice(err)
-        message = f"{os.strerror(err)} (from fs_launch){advice}"
-        if advice:
-            raise OSError(err, message)  # a limit of this process, not the binary's fault
-        raise OSError(err, message, path)
+        raise _launch_error(err, int(step[0]), path, cwd, new_process_group, process_group)
     return int(pid), int(pidfd[0])
+
+
+# How an error names the steps of fs_launch (enum fs_launch_step) that are
+# about neither the binary nor the cwd.
+_LAUNCH_STEPS = {
+    lib.FS_STEP_CLONE: "clone",
+    lib.FS_STEP_PDEATHSIG: "prctl(PR_SET_PDEATHSIG) in the launched child",
+    lib.FS_STEP_SETSID: "setsid in the launched child",
+    lib.FS_STEP_STDIO: "dup2 of the launch's stdin, stdout or stderr",
+    lib.FS_STEP_KEEP_FDS: "fcntl(F_SETFD) on the launch's keep_fds",
+    lib.FS_STEP_SIGMASK: "sigprocmask in the launched child",
+}
+
+
+def _launch_error(
+    err: int, step: int, path: str, cwd: str | None, new_process_group: bool, process_group: int
+) -> OSError:
+    """The error for a launch that failed at ``step`` with ``err``: it names
+    the call that failed and, as its filename, what that call was about (the
+    binary for the exec, the directory for the chdir), so that a missing cwd
+    does not read as a missing binary."""
+    if step == lib.FS_STEP_EXEC:
+        return _error(err, "fs_launch", path)
+    if step == lib.FS_STEP_CHDIR:
+        return _error(err, "chdir to the launch's cwd", cwd)
+    if step == lib.FS_STEP_SETPGID and new_process_group:
+        return _error(err, "setpgid to a new process group")
+    if step == lib.FS_STEP_SETPGID:
+        return _error(err, f"setpgid to join process group {process_group}")
+    return _error(err, _LAUNCH_STEPS.get(step, "fs_launch"))
 
 
 # Signals that report a fault of the thread that caused it: never blocked.
