@@ -18,6 +18,13 @@ A rank whose bench dies exits by itself (it polls a pidfd of the bench once a
 second), so an interrupted bench leaves nothing behind even where it never
 learnt a rank's pid.
 
+The floor method's ranks do not run :func:`rank_main`: a small helper
+interpreter (``python -I -S``, started untimed by :class:`FloorMethod`)
+forks them in a bare ``os.fork()`` loop when the bench asks over a
+socketpair, and each writes the same records to the same FIFO from the
+program in ``_FLOOR_PROGRAM``; the helper reaps them and reports their pids
+and exit statuses back.
+
 This module is also the ranks' ``fn`` module: spawn-like ranks import it to
 unpickle :func:`rank_main`.  Its top level therefore imports only what a rank
 needs; what the bench itself uses is imported inside the functions that use
@@ -63,6 +70,8 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Iterable, Sequence
     from types import TracebackType
+
+    from fastspawn._helper import HelperClient
 
     # (report FIFO path, bench pid, round id, modules to import, payload, failing rank or -1)
     RankSpec = tuple[str, int, int, tuple[str, ...], bytes, int]
@@ -126,6 +135,7 @@ def _wait_for_release(bench_pidfd: int) -> None:
 SCHEMA_ID = "fastspawn-bench/1"
 BASELINE = "mp-spawn"
 BINARY_BASELINE = "binary-popen"
+FLOOR = "floor"
 
 # name -> what it runs (for --help)
 METHOD_HELP: dict[str, str] = {
@@ -138,6 +148,7 @@ METHOD_HELP: dict[str, str] = {
     "mp-fork": "the same with the fork context",
     "mp-forkserver": "the same with the forkserver context (preloading the fn's module)",
     "torch-spawn": "torch.multiprocessing.spawn(join=False) (each rank imports torch)",
+    "floor": "a bare os.fork() loop in a small helper interpreter: the floor (see below)",
     "binary-fastspawn": "fastspawn.elastic.start_processes with true(1) as the entrypoint",
     "binary-popen": 'subprocess.Popen(["true"])',
     "binary-popen-pdeathsig": "the same with a preexec_fn that sets PR_SET_PDEATHSIG",
@@ -356,6 +367,132 @@ class PopenLaunched(Launched):
         self.join()
 
 
+class FloorLaunched(Launched):
+    """The ranks that one request to the floor's helper forked.
+
+    The helper reaps them and reports each exit, so ``join`` only reads its
+    reports; a rank still unreaped is SIGKILLed by pid (ours to signal: same
+    user), never after its exit was reported (its pid may be reused).
+    """
+
+    def __init__(self, helper: HelperClient, nprocs: int) -> None:
+        import select
+
+        self.helper = helper
+        self.expected = nprocs  # lowered to the ranks forked if a fork fails
+        self.forked: list[int] = []  # pid by rank
+        self.codes: dict[int, int] = {}  # rank -> exit code (-N: signal N), once reaped
+        self.fork_errno = 0
+        self.requested = False
+        self.poller = select.poll()
+        self.poller.register(helper.control, select.POLLIN)
+        self.poller.register(helper.pidfd, select.POLLIN)
+
+    def start(self, round_id: int, fail_rank: int) -> None:
+        """Ask for the ranks and wait for their pids.
+
+        Raises:
+            OSError: a fork failed in the helper (the ranks before it run).
+            BenchError: the helper is gone.
+        """
+        self.requested = True
+        self.helper.control.send(_FLOOR_REQUEST.pack(round_id, self.expected, fail_rank))
+        while len(self.forked) < self.expected:
+            self._receive(None)
+        if self.fork_errno:
+            raise OSError(
+                self.fork_errno,
+                f"{os.strerror(self.fork_errno)} (from os.fork in the floor's helper, "
+                f"rank {len(self.forked)})",
+            )
+
+    def _receive(self, timeout_ms: int | None) -> bool:
+        """Take in one message of reports; False if none came in time.
+
+        Raises:
+            BenchError: the helper exited (its pidfd polls readable and it
+                left nothing to read).
+        """
+        import socket
+
+        if not self.poller.poll(timeout_ms):
+            return False
+        try:
+            data = self.helper.control.recv(_FLOOR_CHUNK * _FLOOR_REPLY.size, socket.MSG_DONTWAIT)
+        except OSError:
+            data = b""  # only the pidfd is readable (or the socket broke)
+        if not data:
+            raise BenchError(f"the floor's helper (pid {self.helper.pid}) exited")
+        for event, rank, value in _FLOOR_REPLY.iter_unpack(data):
+            if event == FORKED:
+                self.forked.append(value)
+            elif event == ENDED:
+                self.codes[rank] = value
+            else:  # NOT_FORKED: the helper forks no further rank
+                self.fork_errno, self.expected = value, rank
+        return True
+
+    def pids(self) -> list[int]:
+        return list(self.forked)
+
+    def problem(self) -> str | None:
+        try:
+            while self._receive(0):
+                pass
+        except BenchError as exc:
+            return str(exc)
+        if not self.codes:
+            return None
+        rank = min(self.codes)
+        return _describe_exit(rank, self.forked[rank], self.codes[rank])
+
+    def _wait_all_reaped(self) -> None:
+        while len(self.codes) < len(self.forked):
+            self._receive(None)
+
+    def _kill_unreaped(self) -> None:
+        for rank, pid in enumerate(self.forked):
+            if rank not in self.codes:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # exited; its report is on the way
+
+    def join(self) -> None:
+        self._wait_all_reaped()
+        failed = sorted(rank for rank, code in self.codes.items() if code != 0)
+        if failed:
+            rank = failed[0]
+            raise BenchError(
+                f"rank {rank} (pid {self.forked[rank]}) ended with exit status "
+                f"{self.codes[rank]} after its release"
+            )
+
+    def join_failure(self) -> None:
+        # The least a caller can do: wait for a rank's failure, SIGKILL the
+        # others, know them all reaped.
+        while not any(code != 0 for code in self.codes.values()):
+            if len(self.codes) == len(self.forked):
+                raise BenchError(f"no rank failed as planned; exit codes {self.codes}")
+            self._receive(None)
+        self._kill_unreaped()
+        self._wait_all_reaped()
+
+    def kill(self) -> None:
+        if not self.requested:
+            return
+        # Bounded waits: a report lost to an interruption must not hang the
+        # clean-up (ranks nobody releases exit once the bench or helper is gone).
+        try:
+            while len(self.forked) < self.expected and self._receive(2000):
+                pass
+            self._kill_unreaped()
+            while len(self.codes) < len(self.forked) and self._receive(2000):
+                pass
+        except BenchError:
+            self._kill_unreaped()  # the helper is gone: whoever adopted them reaps them
+
+
 class Session:
     """What every round shares: the report FIFO, the options, live launches."""
 
@@ -410,6 +547,10 @@ class Method:
     def helper_pids(self) -> list[int]:
         """The long-lived process that forks the ranks, if there is one."""
         return []
+
+    def teardown(self) -> None:
+        """Once, after the last round (or a failure, or an interruption):
+        stop and reap what ``setup`` started."""
 
 
 class FastspawnMethod(Method):
@@ -572,6 +713,119 @@ class BinaryPopen(Method):
         return launched
 
 
+# The floor's wire: the bench asks its helper for ranks, the helper reports
+# on them.  The program below gets these formats and numbers in its argv.
+_FLOOR_REQUEST = struct.Struct("<iii")  # round id, nprocs, the rank that must fail or -1
+_FLOOR_REPLY = struct.Struct("<iii")  # event, rank, pid (FORKED) / exit code (ENDED) / errno
+FORKED, ENDED, NOT_FORKED = 1, 2, 3
+_FLOOR_CHUNK = 1024  # reports per message: far below a SOCK_SEQPACKET message's size limit
+
+# The floor's helper: run as ``python -I -S -c`` (no site, no fastspawn, no
+# multiprocessing), it imports os, select, signal, struct and time.  Each
+# request forks the ranks in a bare loop; a rank reports entry, waits for
+# SIGUSR1, reports exit (or failure) as rank_main does, and _exits.  The
+# helper then reaps them, reporting each exit status.  It ends at the bench's
+# EOF, or with the bench (PR_SET_PDEATHSIG); a rank ends by itself once the
+# bench or the helper is gone.
+_FLOOR_PROGRAM = """\
+import os, select, signal, struct, sys, time
+
+fifo, record_format, request_format, reply_format, *numbers = sys.argv[1:]
+ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, CHUNK, control, bench_pid = map(int, numbers)
+record, request, reply = map(struct.Struct, (record_format, request_format, reply_format))
+# Blocked before any fork: a release stays pending until sigtimedwait takes it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+bench = os.pidfd_open(bench_pid)
+out = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)
+helper = os.getpid()
+
+
+def rank_main(round_id, rank, fail_rank):
+    entered = time.monotonic()
+    os.write(out, record.pack(round_id, rank, ENTERED, entered))
+    poller = select.poll()
+    poller.register(bench, select.POLLIN)
+    while signal.sigtimedwait([signal.SIGUSR1], 1.0) is None:
+        if poller.poll(0) or os.getppid() != helper:
+            os._exit(1)  # the bench or the helper is gone: nobody will release or reap us
+    kind = FAILED if rank == fail_rank else EXITED
+    os.write(out, record.pack(round_id, rank, kind, time.monotonic()))
+    os._exit(1 if kind == FAILED else 0)
+
+
+def fork_ranks(round_id, nprocs, fail_rank):
+    forked, reports = {}, []
+    for rank in range(nprocs):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            reports.append(reply.pack(NOT_FORKED, rank, exc.errno or 0))
+            break
+        if pid == 0:
+            try:
+                rank_main(round_id, rank, fail_rank)
+            except BaseException as exc:
+                os.write(2, f"fastspawn bench: floor rank {rank}: {exc!r}\\n".encode())
+            finally:
+                os._exit(1)
+        forked[pid] = rank
+        reports.append(reply.pack(FORKED, rank, pid))
+    for start in range(0, len(reports), CHUNK):
+        os.write(control, b"".join(reports[start : start + CHUNK]))
+    return forked
+
+
+def reap(forked):
+    while forked:
+        pid, status = os.wait()
+        os.write(control, reply.pack(ENDED, forked.pop(pid), os.waitstatus_to_exitcode(status)))
+
+
+while message := os.read(control, request.size):  # b"": the bench closed its end
+    reap(fork_ranks(*request.unpack(message)))
+"""
+
+
+class FloorMethod(Method):
+    """The floor: a small helper interpreter, started untimed, forks the
+    ranks in a bare ``os.fork()`` loop when asked (see ``_FLOOR_PROGRAM``).
+
+    The request's round trip over the socketpair is part of what it measures,
+    as a launch call is part of every other method's.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.helper: HelperClient | None = None
+
+    def setup(self, session: Session) -> None:
+        from fastspawn._helper import HelperClient
+
+        formats = [_RECORD.format, _FLOOR_REQUEST.format, _FLOOR_REPLY.format]
+        numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, _FLOOR_CHUNK]
+        argv = ["-I", "-S", "-c", _FLOOR_PROGRAM, session.reports.path, *formats]
+        # PR_SET_PDEATHSIG: a bench killed outright takes its helper along.
+        self.helper = HelperClient([*argv, *map(str, numbers)], pdeathsig=signal.SIGKILL)
+
+    def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
+        if self.helper is None:
+            raise BenchError("the floor's helper is not started")
+        launched = FloorLaunched(self.helper, nprocs)
+        session.live.append(launched)
+        _fifo, _bench_pid, round_id, _modules, _payload, fail_rank = spec
+        launched.start(round_id, fail_rank)
+        return launched
+
+    def helper_pids(self) -> list[int]:
+        return [self.helper.pid] if self.helper is not None else []
+
+    def teardown(self) -> None:
+        if self.helper is not None:
+            self.helper.kill_and_reap()
+            self.helper.control.close()
+            self.helper = None
+
+
 def make_method(name: str) -> Method:
     """The method called ``name`` (one of :data:`ALL_METHODS`)."""
     family, _, rest = name.partition("-")
@@ -584,6 +838,8 @@ def make_method(name: str) -> Method:
         return MpMethod(name, rest)
     if family == "torch":
         return TorchMethod(name)
+    if name == FLOOR:
+        return FloorMethod(name)
     if name == "binary-fastspawn":
         return BinaryFastspawn(name)
     return BinaryPopen(name, pdeathsig=name == "binary-popen-pdeathsig")
@@ -995,10 +1251,10 @@ def plot(summary: Sequence[Record], methods: Sequence[str], path: str, title: st
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
     ticker = importlib.import_module("matplotlib.ticker")
-    # A fixed color per method, whatever subset runs: tab10 plus two.
-    palette = [*plt.get_cmap("tab10").colors, "black", "goldenrod"]
+    # A fixed color per method, whatever subset runs: tab10 plus three.
+    palette = [*plt.get_cmap("tab10").colors, "black", "goldenrod", "grey"]
     ticks = sorted({s["nprocs"] for s in summary})
-    styles = {"fastspawn": "-", "mp": "--", "torch": ":", "binary": "-."}
+    styles = {"fastspawn": "-", "mp": "--", "torch": ":", "floor": "-", "binary": "-."}
     handles: dict[str, Any] = {}
     for ax, (phase, panel_title) in zip(axes.flat, panels, strict=False):
         scale = 1000.0 if phase != "uss" else 1.0 / 2**20
@@ -1097,8 +1353,9 @@ def machine() -> Record:
 # ----------------------------------------------------------------- limits
 
 # fds the bench holds per rank while a launch runs: a pidfd (fastspawn), a
-# sentinel (multiprocessing), plus torch's error queue pipe.
-_FDS_PER_RANK = {"fastspawn": 1, "mp": 2, "torch": 4, "binary": 1}
+# sentinel (multiprocessing), plus torch's error queue pipe; none for the
+# floor (its helper reports on the ranks over one socket).
+_FDS_PER_RANK = {"fastspawn": 1, "mp": 2, "torch": 4, "floor": 0, "binary": 1}
 _SPARE_TASKS = 16  # the zygote, forkservers, resource tracker, their threads
 _SPARE_FDS = 64
 
@@ -1316,14 +1573,23 @@ Measure how long starting worker processes takes on this machine, for
 fastspawn and the usual alternatives, in one run whose rounds interleave the
 methods (so drift on a noisy machine hits them all alike).
 
-Methods (--methods: names or groups fastspawn, mp, torch, binary; default:
-all, torch-spawn only where torch imports):
+Methods (--methods: names or groups fastspawn, mp, torch, floor, binary;
+default: all, torch-spawn only where torch imports):
 {methods}
+
+The floor is what forking a rank costs at the least on this machine: a small
+helper interpreter (python -I -S importing os, select, signal, struct and
+time; no fastspawn, no multiprocessing), started untimed, forks the ranks in
+a bare os.fork() loop when the bench asks over a socketpair, and reaps them.
+t0 is taken before the request, so its round trip counts, as a launch call
+counts for the others.  Its ranks report, wait and exit (or fail) as the
+others do, but import nothing (--import and --payload-bytes do not apply),
+and the failure round SIGKILLs the others.
 
 Phases, per round, from t0 just before the launch call:
   created          the launch call returned: start_processes(join=False), the
                    last Process.start(), torch spawn(join=False), the last
-                   binary launch or Popen
+                   binary launch or Popen, floor's pids back from its helper
   all running      every rank is inside fn: latest rank entry time - t0
                    (CLOCK_MONOTONIC is system-wide)
   exit->joined     last rank's return from fn to the join returning
@@ -1356,6 +1622,7 @@ examples:
   fastspawn bench --methods fastspawn,mp --nprocs 1,8,64,256 --repeat 5 --json bench.json
   fastspawn bench --import torch --methods fastspawn-zygote-warm,mp-spawn,torch-spawn --nprocs 8
   fastspawn bench --methods fastspawn,mp,binary --nprocs 1,8,64 --repeat 3 --plot bench.png
+  fastspawn bench --methods floor,fastspawn,mp --nprocs 8,64 --repeat 3
 """
 
 
@@ -1574,6 +1841,8 @@ def measure(
             import fastspawn
 
             fastspawn.stop_zygote()
+            for method in methods:
+                method.teardown()
 
 
 def report(options: Options, records: list[Record], started: float) -> None:
