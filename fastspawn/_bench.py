@@ -23,7 +23,8 @@ interpreter (``python -I -S``, started untimed by :class:`FloorMethod`)
 forks them in a bare ``os.fork()`` loop when the bench asks over a
 socketpair, and each writes the same records to the same FIFO from the
 program in ``_FLOOR_PROGRAM``; the helper reaps them and reports their pids
-and exit statuses back.
+and exit statuses back.  The tables compare every Python method's "all
+running" to the floor's.
 
 This module is also the ranks' ``fn`` module: spawn-like ranks import it to
 unpickle :func:`rank_main`.  Its top level therefore imports only what a rank
@@ -54,7 +55,9 @@ One object, described by :data:`SCHEMA` (a JSON-Schema subset: ``type``,
   :data:`PHASES`), ``unit`` (``"s"`` or ``"bytes"``), ``rounds``, ``median``,
   ``p90``, ``min``, and ``ratio`` (median / the baseline's median) with
   ``baseline`` (``mp-spawn``, or ``binary-popen`` for binary methods), both
-  null when the baseline was not measured.
+  null when the baseline was not measured; ``floor_ratio`` (median / the
+  ``floor`` method's median for the same nprocs and phase), null for binary
+  methods and where floor was not measured or has no such phase.
 """
 
 from __future__ import annotations
@@ -1102,9 +1105,14 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def _over(median: float, base: float | None) -> float | None:
+    return median / base if base is not None and base > 0 else None
+
+
 def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]:
     """Median, p90 and min per method, nprocs and phase, with the ratio of
-    the median to the baseline's (mp-spawn; binary-popen for binaries)."""
+    the median to the baseline's (mp-spawn; binary-popen for binaries) and,
+    for Python methods, to the floor's."""
     values: dict[tuple[str, int, str], list[float]] = {}
     for record in records:
         for phase, key, _unit in PHASE_KEYS:
@@ -1116,10 +1124,11 @@ def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]
     medians = {group: quantile(v, 0.5) for group, v in values.items()}
     summary: list[Record] = []
     for (method, nprocs, phase), samples in values.items():
-        baseline = BINARY_BASELINE if method.startswith("binary-") else BASELINE
-        base = medians.get((baseline, nprocs, phase))
-        ok = base is not None and base > 0
-        ratio = medians[(method, nprocs, phase)] / base if base is not None and ok else None
+        binary = method.startswith("binary-")
+        baseline = BINARY_BASELINE if binary else BASELINE
+        median = medians[(method, nprocs, phase)]
+        ratio = _over(median, medians.get((baseline, nprocs, phase)))
+        floor = None if binary else medians.get((FLOOR, nprocs, phase))
         summary.append(
             {
                 "method": method,
@@ -1127,11 +1136,12 @@ def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]
                 "phase": phase,
                 "unit": units[phase],
                 "rounds": len(samples),
-                "median": medians[(method, nprocs, phase)],
+                "median": median,
                 "p90": quantile(samples, 0.9),
                 "min": min(samples),
                 "ratio": ratio,
-                "baseline": baseline if ok else None,
+                "baseline": baseline if ratio is not None else None,
+                "floor_ratio": _over(median, floor),
             }
         )
     order = {name: i for i, name in enumerate(methods)}
@@ -1153,8 +1163,8 @@ def _number(value: float) -> str:
 def _ratio(value: float | None) -> str:
     if value is None:
         return "-"
-    # Two decimals down to 0.10x, then two significant digits (0.054x).
-    return f"{value:.2f}x" if round(value, 2) >= 0.1 else f"{value:.2g}x"
+    # As times are (97.3x, 1.25x) down to 0.10x, then two significant digits (0.054x).
+    return f"{_number(value)}x" if round(value, 2) >= 0.1 else f"{value:.2g}x"
 
 
 def _cell(stats: Record | None) -> str:
@@ -1165,6 +1175,7 @@ def _cell(stats: Record | None) -> str:
     return f"{_number(med)} ({_number(low)}-{_number(p90)})"
 
 
+# (key, title); a key "field:phase" shows that field of the phase's summary.
 _PY_COLUMNS = [
     ("created", "created"),
     ("running", "all running"),
@@ -1173,6 +1184,7 @@ _PY_COLUMNS = [
     ("failure", "failure->reaped"),
     ("uss", "USS MiB"),
 ]
+_FLOOR_COLUMN = ("floor_ratio:running", f"vs {FLOOR}")  # after the baseline's, when floor ran
 _BIN_COLUMNS = [
     ("created", "created"),
     ("reaped", "all reaped"),
@@ -1191,38 +1203,51 @@ def _grid(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _row(
+    name: str, nprocs: int, columns: Sequence[tuple[str, str]], stats: dict[Any, Record]
+) -> list[str]:
+    row = [name]
+    for key, _title in columns:
+        field, _, phase = key.rpartition(":")
+        found = stats.get((name, nprocs, phase))
+        row.append(_ratio(found[field] if found else None) if field else _cell(found))
+    return row
+
+
 def format_table(
     summary: Sequence[Record], methods: Sequence[str], repeat: int, machine: Record
 ) -> str:
     """The terminal report: one block per nprocs, a row per method."""
     stats = {(s["method"], s["nprocs"], s["phase"]): s for s in summary}
+    floor_ran = any(s["method"] == FLOOR for s in summary)
     lines = [
         f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90),",
         "times in ms from the launch call (exit->joined: from the last rank's return;",
         "failure->reaped: from the failing rank's raise); USS summed over the ranks.",
         f"vs {BASELINE} / vs {BINARY_BASELINE}: this method's median over the baseline's "
         "(below 1: faster).",
-        "machine: {cpu}, {cores} cores ({usable_cores} usable), Linux {kernel}, "
-        "Python {python}, fastspawn {fastspawn}".format(**machine),
     ]
+    py_columns = list(_PY_COLUMNS)
+    if floor_ran:
+        lines.append(
+            f"vs {FLOOR}: this method's all running median over {FLOOR}'s, a bare os.fork() "
+            "loop in a small interpreter."
+        )
+        py_columns.insert(py_columns.index(("ratio:running", f"vs {BASELINE}")) + 1, _FLOOR_COLUMN)
+    lines.append(
+        "machine: {cpu}, {cores} cores ({usable_cores} usable), Linux {kernel}, "
+        "Python {python}, fastspawn {fastspawn}".format(**machine)
+    )
     for nprocs in sorted({s["nprocs"] for s in summary}):
         lines.append("")
         lines.append(f"nprocs={nprocs}")
-        for binary, columns in ((False, _PY_COLUMNS), (True, _BIN_COLUMNS)):
+        for binary, columns in ((False, py_columns), (True, _BIN_COLUMNS)):
             names = [m for m in methods if m.startswith("binary-") == binary]
             names = [m for m in names if any((m, nprocs, p) in stats for p in PHASES)]
             if not names:
                 continue
             rows = [["binary method" if binary else "method"] + [title for _, title in columns]]
-            for name in names:
-                row = [name]
-                for key, _title in columns:
-                    if key.startswith("ratio:"):
-                        found = stats.get((name, nprocs, key[6:]))
-                        row.append(_ratio(found["ratio"] if found else None))
-                    else:
-                        row.append(_cell(stats.get((name, nprocs, key))))
-                rows.append(row)
+            rows.extend(_row(name, nprocs, columns, stats) for name in names)
             lines.extend(_grid(rows))
     return "\n".join(lines) + "\n"
 
@@ -1602,7 +1627,9 @@ Phases, per round, from t0 just before the launch call:
   all reaped       binary methods: call to every process reaped
 Each cell is the median (min-p90) over --repeat rounds.  The ratio column is
 a method's "all running" median over mp-spawn's ("all reaped" over
-binary-popen's for binaries); below 1 is faster.
+binary-popen's for binaries); below 1 is faster.  Where floor ran, "vs floor"
+divides a Python method's "all running" median by floor's: how far above the
+floor each launcher starts its ranks.
 
 Spawn-like ranks re-import the caller's main module; the bench hides its own
 (this CLI), so they import only the rank function's module and --import's:
@@ -2038,6 +2065,7 @@ SCHEMA: dict[str, Any] = {
                     "min",
                     "ratio",
                     "baseline",
+                    "floor_ratio",
                 ],
                 "additionalProperties": False,
                 "properties": {
@@ -2054,6 +2082,7 @@ SCHEMA: dict[str, Any] = {
                         "type": ["string", "null"],
                         "enum": [BASELINE, BINARY_BASELINE, None],
                     },
+                    "floor_ratio": _NUMBER_OR_NULL,
                 },
             },
         },

@@ -180,6 +180,7 @@ def test_table_has_every_method_and_the_ratio_column(tiny_sweep):
     for title in ("created", "all running", "vs mp-spawn", "exit->joined", "failure->reaped"):
         assert title in header
     assert "vs binary-popen" in table
+    assert "vs floor" not in table  # floor did not run
     spawn_rows = [line for line in table.splitlines() if line.startswith("mp-spawn ")]
     assert len(spawn_rows) == 2 and all("1.00x" in row for row in spawn_rows)
     fork_row = next(line for line in table.splitlines() if line.startswith("mp-fork "))
@@ -236,11 +237,58 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
     assert done.stdout == "" and not png.exists()
 
 
+def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_path):
+    out = tmp_path / "floor.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastspawn", "bench", "--methods", "floor,fastspawn-fork",
+         "--nprocs", "1,4", "--repeat", "1", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        seen = descendants_while_running(proc, lambda seen: False)  # until it exits
+        table, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert seen  # the helper at least, alive for the whole run
+    assert still_running(seen) == []
+
+    header = next(line for line in table.splitlines() if line.startswith("method "))
+    assert "vs floor" in header and "vs mp-spawn" in header
+    floor_rows = [line for line in table.splitlines() if line.startswith("floor ")]
+    assert len(floor_rows) == 2 and all("1.00x" in row for row in floor_rows)
+
+    document = json.loads(out.read_text())
+    assert validate(document, _bench.SCHEMA) == []
+    floor = [r for r in document["rounds"] if r["method"] == "floor"]
+    launches = [r for r in floor if r["kind"] == "launch"]
+    assert sorted(r["nprocs"] for r in launches) == [1, 4]
+    for record in launches:
+        assert len(record["rank_entry_s"]) == len(record["rank_exit_s"]) == record["nprocs"]
+        assert record["running_s"] == max(record["rank_entry_s"])
+        assert min(record["rank_exit_s"]) >= record["running_s"]  # released once all ran
+        assert record["joined_s"] > 0 and record["uss_bytes"] > 0
+        assert record["helper_uss_bytes"] > 0
+    assert sorted(r["nprocs"] for r in floor if r["kind"] == "failure") == [1, 4]
+    assert all(r["failure_s"] > 0 for r in floor if r["kind"] == "failure")
+    running = {
+        (s["method"], s["nprocs"]): s for s in document["summary"] if s["phase"] == "running"
+    }
+    for nprocs in (1, 4):
+        assert running[("floor", nprocs)]["floor_ratio"] == 1.0
+        assert running[("fastspawn-fork", nprocs)]["floor_ratio"] > 0
+        assert running[("floor", nprocs)]["ratio"] is None  # mp-spawn did not run
+
+
 def test_help_is_clear():
     done = bench("--help")
     assert done.returncode == 0
     words = ["all running", "failure->reaped", "USS", "--import", "--payload-bytes", "--json"]
-    words += ["--plot", "matplotlib", "RLIMIT_NPROC", "Exit status", "130"]
+    words += ["--plot", "matplotlib", "RLIMIT_NPROC", "Exit status", "130", "vs floor"]
     words += ["os.fork()", "python -I -S"]
     for word in [*_bench.ALL_METHODS, *words]:
         assert word in done.stdout, word
@@ -406,6 +454,26 @@ def test_the_rank_module_imports_nothing_heavy():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_floor_ratio_and_its_column():
+    records = []
+    for method, running in (("floor", 0.001), ("mp-fork", 0.02), ("binary-popen", 0.004)):
+        record = _bench.new_record(method, 8, 0, "launch")
+        record["running_s" if method != "binary-popen" else "reaped_s"] = running
+        records.append(record)
+    methods = ["mp-fork", "floor", "binary-popen"]
+    summary = _bench.summarize(records, methods)
+    ratios = {s["method"]: s["floor_ratio"] for s in summary}
+    assert ratios["mp-fork"] == pytest.approx(20.0) and ratios["floor"] == 1.0
+    assert ratios["binary-popen"] is None  # binaries are not compared with the floor
+    machine = {"cpu": "X", "cores": 2, "usable_cores": 2, "kernel": "6", "python": "3"}
+    table = _bench.format_table(summary, methods, 1, {**machine, "fastspawn": "0"})
+    header = next(line for line in table.splitlines() if line.startswith("method "))
+    assert header.index("vs mp-spawn") < header.index("vs floor") < header.index("exit->joined")
+    assert "20.0x" in table and "1.00x" in table
+    without = _bench.summarize(records[1:], methods)
+    assert "vs floor" not in _bench.format_table(without, methods, 1, {**machine, "fastspawn": "0"})
 
 
 # ------------------------------------------------------------- the floor
