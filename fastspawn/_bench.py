@@ -18,6 +18,14 @@ A rank whose bench dies exits by itself (it polls a pidfd of the bench once a
 second), so an interrupted bench leaves nothing behind even where it never
 learnt a rank's pid.
 
+The floor method's ranks do not run :func:`rank_main`: a small helper
+interpreter (``python -I -S``, started untimed by :class:`FloorMethod`)
+forks them in a bare ``os.fork()`` loop when the bench asks over a
+socketpair, and each writes the same records to the same FIFO from the
+program in ``_FLOOR_PROGRAM``; the helper reaps them and reports their pids
+and exit statuses back.  The tables compare every Python method's "all
+running" to the floor's.
+
 This module is also the ranks' ``fn`` module: spawn-like ranks import it to
 unpickle :func:`rank_main`.  Its top level therefore imports only what a rank
 needs; what the bench itself uses is imported inside the functions that use
@@ -47,7 +55,9 @@ One object, described by :data:`SCHEMA` (a JSON-Schema subset: ``type``,
   :data:`PHASES`), ``unit`` (``"s"`` or ``"bytes"``), ``rounds``, ``median``,
   ``p90``, ``min``, and ``ratio`` (median / the baseline's median) with
   ``baseline`` (``mp-spawn``, or ``binary-popen`` for binary methods), both
-  null when the baseline was not measured.
+  null when the baseline was not measured; ``floor_ratio`` (median / the
+  ``floor`` method's median for the same nprocs and phase), null for binary
+  methods and where floor was not measured or has no such phase.
 """
 
 from __future__ import annotations
@@ -63,6 +73,8 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Iterable, Sequence
     from types import TracebackType
+
+    from fastspawn._helper import HelperClient
 
     # (report FIFO path, bench pid, round id, modules to import, payload, failing rank or -1)
     RankSpec = tuple[str, int, int, tuple[str, ...], bytes, int]
@@ -126,6 +138,7 @@ def _wait_for_release(bench_pidfd: int) -> None:
 SCHEMA_ID = "fastspawn-bench/1"
 BASELINE = "mp-spawn"
 BINARY_BASELINE = "binary-popen"
+FLOOR = "floor"
 
 # name -> what it runs (for --help)
 METHOD_HELP: dict[str, str] = {
@@ -138,6 +151,7 @@ METHOD_HELP: dict[str, str] = {
     "mp-fork": "the same with the fork context",
     "mp-forkserver": "the same with the forkserver context (preloading the fn's module)",
     "torch-spawn": "torch.multiprocessing.spawn(join=False) (each rank imports torch)",
+    "floor": "a bare os.fork() loop in a small helper interpreter: the floor (see below)",
     "binary-fastspawn": "fastspawn.elastic.start_processes with true(1) as the entrypoint",
     "binary-popen": 'subprocess.Popen(["true"])',
     "binary-popen-pdeathsig": "the same with a preexec_fn that sets PR_SET_PDEATHSIG",
@@ -356,6 +370,132 @@ class PopenLaunched(Launched):
         self.join()
 
 
+class FloorLaunched(Launched):
+    """The ranks that one request to the floor's helper forked.
+
+    The helper reaps them and reports each exit, so ``join`` only reads its
+    reports; a rank still unreaped is SIGKILLed by pid (ours to signal: same
+    user), never after its exit was reported (its pid may be reused).
+    """
+
+    def __init__(self, helper: HelperClient, nprocs: int) -> None:
+        import select
+
+        self.helper = helper
+        self.expected = nprocs  # lowered to the ranks forked if a fork fails
+        self.forked: list[int] = []  # pid by rank
+        self.codes: dict[int, int] = {}  # rank -> exit code (-N: signal N), once reaped
+        self.fork_errno = 0
+        self.requested = False
+        self.poller = select.poll()
+        self.poller.register(helper.control, select.POLLIN)
+        self.poller.register(helper.pidfd, select.POLLIN)
+
+    def start(self, round_id: int, fail_rank: int) -> None:
+        """Ask for the ranks and wait for their pids.
+
+        Raises:
+            OSError: a fork failed in the helper (the ranks before it run).
+            BenchError: the helper is gone.
+        """
+        self.requested = True
+        self.helper.control.send(_FLOOR_REQUEST.pack(round_id, self.expected, fail_rank))
+        while len(self.forked) < self.expected:
+            self._receive(None)
+        if self.fork_errno:
+            raise OSError(
+                self.fork_errno,
+                f"{os.strerror(self.fork_errno)} (from os.fork in the floor's helper, "
+                f"rank {len(self.forked)})",
+            )
+
+    def _receive(self, timeout_ms: int | None) -> bool:
+        """Take in one message of reports; False if none came in time.
+
+        Raises:
+            BenchError: the helper exited (its pidfd polls readable and it
+                left nothing to read).
+        """
+        import socket
+
+        if not self.poller.poll(timeout_ms):
+            return False
+        try:
+            data = self.helper.control.recv(_FLOOR_CHUNK * _FLOOR_REPLY.size, socket.MSG_DONTWAIT)
+        except OSError:
+            data = b""  # only the pidfd is readable (or the socket broke)
+        if not data:
+            raise BenchError(f"the floor's helper (pid {self.helper.pid}) exited")
+        for event, rank, value in _FLOOR_REPLY.iter_unpack(data):
+            if event == FORKED:
+                self.forked.append(value)
+            elif event == ENDED:
+                self.codes[rank] = value
+            else:  # NOT_FORKED: the helper forks no further rank
+                self.fork_errno, self.expected = value, rank
+        return True
+
+    def pids(self) -> list[int]:
+        return list(self.forked)
+
+    def problem(self) -> str | None:
+        try:
+            while self._receive(0):
+                pass
+        except BenchError as exc:
+            return str(exc)
+        if not self.codes:
+            return None
+        rank = min(self.codes)
+        return _describe_exit(rank, self.forked[rank], self.codes[rank])
+
+    def _wait_all_reaped(self) -> None:
+        while len(self.codes) < len(self.forked):
+            self._receive(None)
+
+    def _kill_unreaped(self) -> None:
+        for rank, pid in enumerate(self.forked):
+            if rank not in self.codes:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # exited; its report is on the way
+
+    def join(self) -> None:
+        self._wait_all_reaped()
+        failed = sorted(rank for rank, code in self.codes.items() if code != 0)
+        if failed:
+            rank = failed[0]
+            raise BenchError(
+                f"rank {rank} (pid {self.forked[rank]}) ended with exit status "
+                f"{self.codes[rank]} after its release"
+            )
+
+    def join_failure(self) -> None:
+        # The least a caller can do: wait for a rank's failure, SIGKILL the
+        # others, know them all reaped.
+        while not any(code != 0 for code in self.codes.values()):
+            if len(self.codes) == len(self.forked):
+                raise BenchError(f"no rank failed as planned; exit codes {self.codes}")
+            self._receive(None)
+        self._kill_unreaped()
+        self._wait_all_reaped()
+
+    def kill(self) -> None:
+        if not self.requested:
+            return
+        # Bounded waits: a report lost to an interruption must not hang the
+        # clean-up (ranks nobody releases exit once the bench or helper is gone).
+        try:
+            while len(self.forked) < self.expected and self._receive(2000):
+                pass
+            self._kill_unreaped()
+            while len(self.codes) < len(self.forked) and self._receive(2000):
+                pass
+        except BenchError:
+            self._kill_unreaped()  # the helper is gone: whoever adopted them reaps them
+
+
 class Session:
     """What every round shares: the report FIFO, the options, live launches."""
 
@@ -410,6 +550,10 @@ class Method:
     def helper_pids(self) -> list[int]:
         """The long-lived process that forks the ranks, if there is one."""
         return []
+
+    def teardown(self) -> None:
+        """Once, after the last round (or a failure, or an interruption):
+        stop and reap what ``setup`` started."""
 
 
 class FastspawnMethod(Method):
@@ -572,6 +716,119 @@ class BinaryPopen(Method):
         return launched
 
 
+# The floor's wire: the bench asks its helper for ranks, the helper reports
+# on them.  The program below gets these formats and numbers in its argv.
+_FLOOR_REQUEST = struct.Struct("<iii")  # round id, nprocs, the rank that must fail or -1
+_FLOOR_REPLY = struct.Struct("<iii")  # event, rank, pid (FORKED) / exit code (ENDED) / errno
+FORKED, ENDED, NOT_FORKED = 1, 2, 3
+_FLOOR_CHUNK = 1024  # reports per message: far below a SOCK_SEQPACKET message's size limit
+
+# The floor's helper: run as ``python -I -S -c`` (no site, no fastspawn, no
+# multiprocessing), it imports os, select, signal, struct and time.  Each
+# request forks the ranks in a bare loop; a rank reports entry, waits for
+# SIGUSR1, reports exit (or failure) as rank_main does, and _exits.  The
+# helper then reaps them, reporting each exit status.  It ends at the bench's
+# EOF, or with the bench (PR_SET_PDEATHSIG); a rank ends by itself once the
+# bench or the helper is gone.
+_FLOOR_PROGRAM = """\
+import os, select, signal, struct, sys, time
+
+fifo, record_format, request_format, reply_format, *numbers = sys.argv[1:]
+ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, CHUNK, control, bench_pid = map(int, numbers)
+record, request, reply = map(struct.Struct, (record_format, request_format, reply_format))
+# Blocked before any fork: a release stays pending until sigtimedwait takes it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+bench = os.pidfd_open(bench_pid)
+out = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)
+helper = os.getpid()
+
+
+def rank_main(round_id, rank, fail_rank):
+    entered = time.monotonic()
+    os.write(out, record.pack(round_id, rank, ENTERED, entered))
+    poller = select.poll()
+    poller.register(bench, select.POLLIN)
+    while signal.sigtimedwait([signal.SIGUSR1], 1.0) is None:
+        if poller.poll(0) or os.getppid() != helper:
+            os._exit(1)  # the bench or the helper is gone: nobody will release or reap us
+    kind = FAILED if rank == fail_rank else EXITED
+    os.write(out, record.pack(round_id, rank, kind, time.monotonic()))
+    os._exit(1 if kind == FAILED else 0)
+
+
+def fork_ranks(round_id, nprocs, fail_rank):
+    forked, reports = {}, []
+    for rank in range(nprocs):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            reports.append(reply.pack(NOT_FORKED, rank, exc.errno or 0))
+            break
+        if pid == 0:
+            try:
+                rank_main(round_id, rank, fail_rank)
+            except BaseException as exc:
+                os.write(2, f"fastspawn bench: floor rank {rank}: {exc!r}\\n".encode())
+            finally:
+                os._exit(1)
+        forked[pid] = rank
+        reports.append(reply.pack(FORKED, rank, pid))
+    for start in range(0, len(reports), CHUNK):
+        os.write(control, b"".join(reports[start : start + CHUNK]))
+    return forked
+
+
+def reap(forked):
+    while forked:
+        pid, status = os.wait()
+        os.write(control, reply.pack(ENDED, forked.pop(pid), os.waitstatus_to_exitcode(status)))
+
+
+while message := os.read(control, request.size):  # b"": the bench closed its end
+    reap(fork_ranks(*request.unpack(message)))
+"""
+
+
+class FloorMethod(Method):
+    """The floor: a small helper interpreter, started untimed, forks the
+    ranks in a bare ``os.fork()`` loop when asked (see ``_FLOOR_PROGRAM``).
+
+    The request's round trip over the socketpair is part of what it measures,
+    as a launch call is part of every other method's.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.helper: HelperClient | None = None
+
+    def setup(self, session: Session) -> None:
+        from fastspawn._helper import HelperClient
+
+        formats = [_RECORD.format, _FLOOR_REQUEST.format, _FLOOR_REPLY.format]
+        numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, _FLOOR_CHUNK]
+        argv = ["-I", "-S", "-c", _FLOOR_PROGRAM, session.reports.path, *formats]
+        # PR_SET_PDEATHSIG: a bench killed outright takes its helper along.
+        self.helper = HelperClient([*argv, *map(str, numbers)], pdeathsig=signal.SIGKILL)
+
+    def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
+        if self.helper is None:
+            raise BenchError("the floor's helper is not started")
+        launched = FloorLaunched(self.helper, nprocs)
+        session.live.append(launched)
+        _fifo, _bench_pid, round_id, _modules, _payload, fail_rank = spec
+        launched.start(round_id, fail_rank)
+        return launched
+
+    def helper_pids(self) -> list[int]:
+        return [self.helper.pid] if self.helper is not None else []
+
+    def teardown(self) -> None:
+        if self.helper is not None:
+            self.helper.kill_and_reap()
+            self.helper.control.close()
+            self.helper = None
+
+
 def make_method(name: str) -> Method:
     """The method called ``name`` (one of :data:`ALL_METHODS`)."""
     family, _, rest = name.partition("-")
@@ -584,6 +841,8 @@ def make_method(name: str) -> Method:
         return MpMethod(name, rest)
     if family == "torch":
         return TorchMethod(name)
+    if name == FLOOR:
+        return FloorMethod(name)
     if name == "binary-fastspawn":
         return BinaryFastspawn(name)
     return BinaryPopen(name, pdeathsig=name == "binary-popen-pdeathsig")
@@ -846,9 +1105,14 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def _over(median: float, base: float | None) -> float | None:
+    return median / base if base is not None and base > 0 else None
+
+
 def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]:
     """Median, p90 and min per method, nprocs and phase, with the ratio of
-    the median to the baseline's (mp-spawn; binary-popen for binaries)."""
+    the median to the baseline's (mp-spawn; binary-popen for binaries) and,
+    for Python methods, to the floor's."""
     values: dict[tuple[str, int, str], list[float]] = {}
     for record in records:
         for phase, key, _unit in PHASE_KEYS:
@@ -860,10 +1124,11 @@ def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]
     medians = {group: quantile(v, 0.5) for group, v in values.items()}
     summary: list[Record] = []
     for (method, nprocs, phase), samples in values.items():
-        baseline = BINARY_BASELINE if method.startswith("binary-") else BASELINE
-        base = medians.get((baseline, nprocs, phase))
-        ok = base is not None and base > 0
-        ratio = medians[(method, nprocs, phase)] / base if base is not None and ok else None
+        binary = method.startswith("binary-")
+        baseline = BINARY_BASELINE if binary else BASELINE
+        median = medians[(method, nprocs, phase)]
+        ratio = _over(median, medians.get((baseline, nprocs, phase)))
+        floor = None if binary else medians.get((FLOOR, nprocs, phase))
         summary.append(
             {
                 "method": method,
@@ -871,11 +1136,12 @@ def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]
                 "phase": phase,
                 "unit": units[phase],
                 "rounds": len(samples),
-                "median": medians[(method, nprocs, phase)],
+                "median": median,
                 "p90": quantile(samples, 0.9),
                 "min": min(samples),
                 "ratio": ratio,
-                "baseline": baseline if ok else None,
+                "baseline": baseline if ratio is not None else None,
+                "floor_ratio": _over(median, floor),
             }
         )
     order = {name: i for i, name in enumerate(methods)}
@@ -897,8 +1163,8 @@ def _number(value: float) -> str:
 def _ratio(value: float | None) -> str:
     if value is None:
         return "-"
-    # Two decimals down to 0.10x, then two significant digits (0.054x).
-    return f"{value:.2f}x" if round(value, 2) >= 0.1 else f"{value:.2g}x"
+    # As times are (97.3x, 1.25x) down to 0.10x, then two significant digits (0.054x).
+    return f"{_number(value)}x" if round(value, 2) >= 0.1 else f"{value:.2g}x"
 
 
 def _cell(stats: Record | None) -> str:
@@ -909,6 +1175,7 @@ def _cell(stats: Record | None) -> str:
     return f"{_number(med)} ({_number(low)}-{_number(p90)})"
 
 
+# (key, title); a key "field:phase" shows that field of the phase's summary.
 _PY_COLUMNS = [
     ("created", "created"),
     ("running", "all running"),
@@ -917,6 +1184,7 @@ _PY_COLUMNS = [
     ("failure", "failure->reaped"),
     ("uss", "USS MiB"),
 ]
+_FLOOR_COLUMN = ("floor_ratio:running", f"vs {FLOOR}")  # after the baseline's, when floor ran
 _BIN_COLUMNS = [
     ("created", "created"),
     ("reaped", "all reaped"),
@@ -935,38 +1203,51 @@ def _grid(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _row(
+    name: str, nprocs: int, columns: Sequence[tuple[str, str]], stats: dict[Any, Record]
+) -> list[str]:
+    row = [name]
+    for key, _title in columns:
+        field, _, phase = key.rpartition(":")
+        found = stats.get((name, nprocs, phase))
+        row.append(_ratio(found[field] if found else None) if field else _cell(found))
+    return row
+
+
 def format_table(
     summary: Sequence[Record], methods: Sequence[str], repeat: int, machine: Record
 ) -> str:
     """The terminal report: one block per nprocs, a row per method."""
     stats = {(s["method"], s["nprocs"], s["phase"]): s for s in summary}
+    floor_ran = any(s["method"] == FLOOR for s in summary)
     lines = [
         f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90),",
         "times in ms from the launch call (exit->joined: from the last rank's return;",
         "failure->reaped: from the failing rank's raise); USS summed over the ranks.",
         f"vs {BASELINE} / vs {BINARY_BASELINE}: this method's median over the baseline's "
         "(below 1: faster).",
-        "machine: {cpu}, {cores} cores ({usable_cores} usable), Linux {kernel}, "
-        "Python {python}, fastspawn {fastspawn}".format(**machine),
     ]
+    py_columns = list(_PY_COLUMNS)
+    if floor_ran:
+        lines.append(
+            f"vs {FLOOR}: this method's all running median over {FLOOR}'s, a bare os.fork() "
+            "loop in a small interpreter."
+        )
+        py_columns.insert(py_columns.index(("ratio:running", f"vs {BASELINE}")) + 1, _FLOOR_COLUMN)
+    lines.append(
+        "machine: {cpu}, {cores} cores ({usable_cores} usable), Linux {kernel}, "
+        "Python {python}, fastspawn {fastspawn}".format(**machine)
+    )
     for nprocs in sorted({s["nprocs"] for s in summary}):
         lines.append("")
         lines.append(f"nprocs={nprocs}")
-        for binary, columns in ((False, _PY_COLUMNS), (True, _BIN_COLUMNS)):
+        for binary, columns in ((False, py_columns), (True, _BIN_COLUMNS)):
             names = [m for m in methods if m.startswith("binary-") == binary]
             names = [m for m in names if any((m, nprocs, p) in stats for p in PHASES)]
             if not names:
                 continue
             rows = [["binary method" if binary else "method"] + [title for _, title in columns]]
-            for name in names:
-                row = [name]
-                for key, _title in columns:
-                    if key.startswith("ratio:"):
-                        found = stats.get((name, nprocs, key[6:]))
-                        row.append(_ratio(found["ratio"] if found else None))
-                    else:
-                        row.append(_cell(stats.get((name, nprocs, key))))
-                rows.append(row)
+            rows.extend(_row(name, nprocs, columns, stats) for name in names)
             lines.extend(_grid(rows))
     return "\n".join(lines) + "\n"
 
@@ -995,10 +1276,10 @@ def plot(summary: Sequence[Record], methods: Sequence[str], path: str, title: st
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
     ticker = importlib.import_module("matplotlib.ticker")
-    # A fixed color per method, whatever subset runs: tab10 plus two.
-    palette = [*plt.get_cmap("tab10").colors, "black", "goldenrod"]
+    # A fixed color per method, whatever subset runs: tab10 plus three.
+    palette = [*plt.get_cmap("tab10").colors, "black", "goldenrod", "grey"]
     ticks = sorted({s["nprocs"] for s in summary})
-    styles = {"fastspawn": "-", "mp": "--", "torch": ":", "binary": "-."}
+    styles = {"fastspawn": "-", "mp": "--", "torch": ":", "floor": "-", "binary": "-."}
     handles: dict[str, Any] = {}
     for ax, (phase, panel_title) in zip(axes.flat, panels, strict=False):
         scale = 1000.0 if phase != "uss" else 1.0 / 2**20
@@ -1097,8 +1378,9 @@ def machine() -> Record:
 # ----------------------------------------------------------------- limits
 
 # fds the bench holds per rank while a launch runs: a pidfd (fastspawn), a
-# sentinel (multiprocessing), plus torch's error queue pipe.
-_FDS_PER_RANK = {"fastspawn": 1, "mp": 2, "torch": 4, "binary": 1}
+# sentinel (multiprocessing), plus torch's error queue pipe; none for the
+# floor (its helper reports on the ranks over one socket).
+_FDS_PER_RANK = {"fastspawn": 1, "mp": 2, "torch": 4, "floor": 0, "binary": 1}
 _SPARE_TASKS = 16  # the zygote, forkservers, resource tracker, their threads
 _SPARE_FDS = 64
 
@@ -1316,14 +1598,23 @@ Measure how long starting worker processes takes on this machine, for
 fastspawn and the usual alternatives, in one run whose rounds interleave the
 methods (so drift on a noisy machine hits them all alike).
 
-Methods (--methods: names or groups fastspawn, mp, torch, binary; default:
-all, torch-spawn only where torch imports):
+Methods (--methods: names or groups fastspawn, mp, torch, floor, binary;
+default: all, torch-spawn only where torch imports):
 {methods}
+
+The floor is what forking a rank costs at the least on this machine: a small
+helper interpreter (python -I -S importing os, select, signal, struct and
+time; no fastspawn, no multiprocessing), started untimed, forks the ranks in
+a bare os.fork() loop when the bench asks over a socketpair, and reaps them.
+t0 is taken before the request, so its round trip counts, as a launch call
+counts for the others.  Its ranks report, wait and exit (or fail) as the
+others do, but import nothing (--import and --payload-bytes do not apply),
+and the failure round SIGKILLs the others.
 
 Phases, per round, from t0 just before the launch call:
   created          the launch call returned: start_processes(join=False), the
                    last Process.start(), torch spawn(join=False), the last
-                   binary launch or Popen
+                   binary launch or Popen, floor's pids back from its helper
   all running      every rank is inside fn: latest rank entry time - t0
                    (CLOCK_MONOTONIC is system-wide)
   exit->joined     last rank's return from fn to the join returning
@@ -1336,7 +1627,9 @@ Phases, per round, from t0 just before the launch call:
   all reaped       binary methods: call to every process reaped
 Each cell is the median (min-p90) over --repeat rounds.  The ratio column is
 a method's "all running" median over mp-spawn's ("all reaped" over
-binary-popen's for binaries); below 1 is faster.
+binary-popen's for binaries); below 1 is faster.  Where floor ran, "vs floor"
+divides a Python method's "all running" median by floor's: how far above the
+floor each launcher starts its ranks.
 
 Spawn-like ranks re-import the caller's main module; the bench hides its own
 (this CLI), so they import only the rank function's module and --import's:
@@ -1356,6 +1649,7 @@ examples:
   fastspawn bench --methods fastspawn,mp --nprocs 1,8,64,256 --repeat 5 --json bench.json
   fastspawn bench --import torch --methods fastspawn-zygote-warm,mp-spawn,torch-spawn --nprocs 8
   fastspawn bench --methods fastspawn,mp,binary --nprocs 1,8,64 --repeat 3 --plot bench.png
+  fastspawn bench --methods floor,fastspawn,mp --nprocs 8,64 --repeat 3
 """
 
 
@@ -1574,6 +1868,8 @@ def measure(
             import fastspawn
 
             fastspawn.stop_zygote()
+            for method in methods:
+                method.teardown()
 
 
 def report(options: Options, records: list[Record], started: float) -> None:
@@ -1769,6 +2065,7 @@ SCHEMA: dict[str, Any] = {
                     "min",
                     "ratio",
                     "baseline",
+                    "floor_ratio",
                 ],
                 "additionalProperties": False,
                 "properties": {
@@ -1785,6 +2082,7 @@ SCHEMA: dict[str, Any] = {
                         "type": ["string", "null"],
                         "enum": [BASELINE, BINARY_BASELINE, None],
                     },
+                    "floor_ratio": _NUMBER_OR_NULL,
                 },
             },
         },

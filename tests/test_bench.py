@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,44 @@ def bench(*args: str, timeout: float = 120, **kwargs: Any) -> subprocess.Complet
         timeout=timeout,
         **kwargs,
     )
+
+
+def descendants_while_running(
+    proc: subprocess.Popen[str], until: Callable[[dict[int, psutil.Process]], bool]
+) -> dict[int, psutil.Process]:
+    """Every descendant of ``proc`` seen, sampled until ``until(seen)`` (30 s at most)."""
+    bench_proc = psutil.Process(proc.pid)
+    seen: dict[int, psutil.Process] = {}
+    start = time.monotonic()
+    while time.monotonic() - start < 30 and not until(seen):
+        if proc.poll() is not None:
+            break
+        try:
+            for child in bench_proc.children(recursive=True):
+                seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.01)
+    return seen
+
+
+def still_running(seen: dict[int, psutil.Process], patience: float = 10) -> list[int]:
+    """The pids of ``seen`` still alive (not zombies) after ``patience`` seconds."""
+
+    def left() -> list[int]:
+        alive = []
+        for pid, child in seen.items():
+            try:
+                if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    deadline = time.monotonic() + patience
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left()
 
 
 def shadowing(tmp_path: Path, module: str) -> dict[str, str]:
@@ -141,6 +180,7 @@ def test_table_has_every_method_and_the_ratio_column(tiny_sweep):
     for title in ("created", "all running", "vs mp-spawn", "exit->joined", "failure->reaped"):
         assert title in header
     assert "vs binary-popen" in table
+    assert "vs floor" not in table  # floor did not run
     spawn_rows = [line for line in table.splitlines() if line.startswith("mp-spawn ")]
     assert len(spawn_rows) == 2 and all("1.00x" in row for row in spawn_rows)
     fork_row = next(line for line in table.splitlines() if line.startswith("mp-fork "))
@@ -197,11 +237,59 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
     assert done.stdout == "" and not png.exists()
 
 
+def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_path):
+    out = tmp_path / "floor.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastspawn", "bench", "--methods", "floor,fastspawn-fork",
+         "--nprocs", "1,4", "--repeat", "1", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        seen = descendants_while_running(proc, lambda seen: False)  # until it exits
+        table, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert seen  # the helper at least, alive for the whole run
+    assert still_running(seen) == []
+
+    header = next(line for line in table.splitlines() if line.startswith("method "))
+    assert "vs floor" in header and "vs mp-spawn" in header
+    floor_rows = [line for line in table.splitlines() if line.startswith("floor ")]
+    assert len(floor_rows) == 2 and all("1.00x" in row for row in floor_rows)
+
+    document = json.loads(out.read_text())
+    assert validate(document, _bench.SCHEMA) == []
+    floor = [r for r in document["rounds"] if r["method"] == "floor"]
+    launches = [r for r in floor if r["kind"] == "launch"]
+    assert sorted(r["nprocs"] for r in launches) == [1, 4]
+    for record in launches:
+        assert len(record["rank_entry_s"]) == len(record["rank_exit_s"]) == record["nprocs"]
+        assert record["running_s"] == max(record["rank_entry_s"])
+        assert min(record["rank_exit_s"]) >= record["running_s"]  # released once all ran
+        assert record["joined_s"] > 0 and record["uss_bytes"] > 0
+        assert record["helper_uss_bytes"] > 0
+    assert sorted(r["nprocs"] for r in floor if r["kind"] == "failure") == [1, 4]
+    assert all(r["failure_s"] > 0 for r in floor if r["kind"] == "failure")
+    running = {
+        (s["method"], s["nprocs"]): s for s in document["summary"] if s["phase"] == "running"
+    }
+    for nprocs in (1, 4):
+        assert running[("floor", nprocs)]["floor_ratio"] == 1.0
+        assert running[("fastspawn-fork", nprocs)]["floor_ratio"] > 0
+        assert running[("floor", nprocs)]["ratio"] is None  # mp-spawn did not run
+
+
 def test_help_is_clear():
     done = bench("--help")
     assert done.returncode == 0
     words = ["all running", "failure->reaped", "USS", "--import", "--payload-bytes", "--json"]
-    words += ["--plot", "matplotlib", "RLIMIT_NPROC", "Exit status", "130"]
+    words += ["--plot", "matplotlib", "RLIMIT_NPROC", "Exit status", "130", "vs floor"]
+    words += ["os.fork()", "python -I -S"]
     for word in [*_bench.ALL_METHODS, *words]:
         assert word in done.stdout, word
 
@@ -250,7 +338,7 @@ def test_real_limits_are_read(limit, nprocs, name):
 
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_leaves_no_process_behind(sig, status):
-    methods = "fastspawn-zygote-warm,fastspawn-spawn,mp-forkserver,mp-spawn,binary-popen"
+    methods = "fastspawn-zygote-warm,fastspawn-spawn,mp-forkserver,mp-spawn,floor,binary-popen"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fastspawn", "bench", "--methods", methods,
          "--nprocs", "4", "--repeat", "1000"],
@@ -259,15 +347,12 @@ def test_interrupt_leaves_no_process_behind(sig, status):
         text=True,
     )  # fmt: skip
     try:
-        bench_proc = psutil.Process(proc.pid)
-        seen: dict[int, psutil.Process] = {}
         start = time.monotonic()
         # Mid-sweep: after the warm-up, with ranks and helpers around.
-        while time.monotonic() - start < 30 and (len(seen) < 8 or time.monotonic() - start < 1.5):
-            assert proc.poll() is None, proc.communicate()
-            for child in bench_proc.children(recursive=True):
-                seen.setdefault(child.pid, child)
-            time.sleep(0.02)
+        seen = descendants_while_running(
+            proc, lambda seen: len(seen) >= 8 and time.monotonic() - start >= 1.5
+        )
+        assert proc.poll() is None, proc.communicate()
         assert len(seen) >= 8
         proc.send_signal(sig)
         _out, err = proc.communicate(timeout=60)
@@ -277,21 +362,7 @@ def test_interrupt_leaves_no_process_behind(sig, status):
             proc.communicate()
     assert proc.returncode == status, err
     assert "every process it started is stopped and reaped" in err
-
-    def left() -> list[int]:
-        alive = []
-        for pid, child in seen.items():
-            try:
-                if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
-
-    deadline = time.monotonic() + 10
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert left() == []
+    assert still_running(seen) == []
 
 
 # -------------------------------------------------------------- the pieces
@@ -383,3 +454,123 @@ def test_the_rank_module_imports_nothing_heavy():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_floor_ratio_and_its_column():
+    records = []
+    for method, running in (("floor", 0.001), ("mp-fork", 0.02), ("binary-popen", 0.004)):
+        record = _bench.new_record(method, 8, 0, "launch")
+        record["running_s" if method != "binary-popen" else "reaped_s"] = running
+        records.append(record)
+    methods = ["mp-fork", "floor", "binary-popen"]
+    summary = _bench.summarize(records, methods)
+    ratios = {s["method"]: s["floor_ratio"] for s in summary}
+    assert ratios["mp-fork"] == pytest.approx(20.0) and ratios["floor"] == 1.0
+    assert ratios["binary-popen"] is None  # binaries are not compared with the floor
+    machine = {"cpu": "X", "cores": 2, "usable_cores": 2, "kernel": "6", "python": "3"}
+    table = _bench.format_table(summary, methods, 1, {**machine, "fastspawn": "0"})
+    header = next(line for line in table.splitlines() if line.startswith("method "))
+    assert header.index("vs mp-spawn") < header.index("vs floor") < header.index("exit->joined")
+    assert "20.0x" in table and "1.00x" in table
+    without = _bench.summarize(records[1:], methods)
+    assert "vs floor" not in _bench.format_table(without, methods, 1, {**machine, "fastspawn": "0"})
+
+
+# ------------------------------------------------------------- the floor
+
+
+@pytest.fixture
+def floor(tmp_path: Path) -> Iterator[tuple[_bench.Method, _bench.Session]]:
+    """The floor method, set up in this process (its helper our child)."""
+    reports = _bench.Reports(str(tmp_path))
+    session = _bench.Session(reports, [], 0, "true", [])
+    method = _bench.make_method("floor")
+    try:
+        method.setup(session)
+        yield method, session
+    finally:
+        for launched in session.live:
+            launched.kill()
+        method.teardown()
+        reports.close()
+
+
+def _floor_round(
+    floor: tuple[_bench.Method, _bench.Session], nprocs: int, fail_rank: int = -1
+) -> tuple[_bench.Launched, int, dict[int, float]]:
+    """Launch, and wait until every rank reported its entry."""
+    method, session = floor
+    spec = session.spec(fail_rank)
+    launched = method.launch(nprocs, spec, session)
+    entered = session.reports.wait(spec[2], _bench.ENTERED, nprocs, launched)
+    return launched, spec[2], entered
+
+
+def test_floor_helper_is_a_small_interpreter_that_forks_the_ranks(floor):
+    method, session = floor
+    launched, round_id, entered = _floor_round(floor, 3)
+    assert sorted(entered) == [0, 1, 2]
+    helper = psutil.Process(method.helper_pids()[0])
+    assert helper.ppid() == os.getpid()
+    assert helper.cmdline()[1:4] == ["-I", "-S", "-c"]
+    mapped = {m.path for m in helper.memory_maps()}
+    assert not [path for path in mapped if "fastspawn" in path or "multiprocessing" in path]
+    pids = launched.pids()
+    assert sorted(child.pid for child in helper.children()) == sorted(pids)
+    launched.release(range(3))
+    launched.join()
+    exits = session.reports.wait(round_id, _bench.EXITED, 3, None)
+    assert sorted(exits) == [0, 1, 2]
+    assert helper.children() == []
+    session.live.remove(launched)
+    method.teardown()
+    assert not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE
+
+
+def test_floor_kill_reaps_unreleased_ranks_and_the_helper_goes_on(floor):
+    method, session = floor
+    launched, _round_id, _entered = _floor_round(floor, 4)
+    launched.kill()
+    assert isinstance(launched, _bench.FloorLaunched)
+    assert launched.codes == {rank: -signal.SIGKILL for rank in range(4)}
+    helper = psutil.Process(method.helper_pids()[0])
+    assert helper.children() == []
+    session.live.remove(launched)
+    again, round_id, _entered = _floor_round(floor, 1)
+    again.release([0])
+    again.join()
+    assert session.reports.wait(round_id, _bench.EXITED, 1, None).keys() == {0}
+    session.live.remove(again)
+
+
+def test_floor_failure_round_kills_the_others(floor):
+    _method, session = floor
+    launched, round_id, _entered = _floor_round(floor, 3, fail_rank=1)
+    launched.release([1])
+    launched.join_failure()
+    assert session.reports.wait(round_id, _bench.FAILED, 1, None).keys() == {1}
+    assert isinstance(launched, _bench.FloorLaunched)
+    assert launched.codes == {0: -signal.SIGKILL, 1: 1, 2: -signal.SIGKILL}
+    session.live.remove(launched)
+
+
+def test_floor_names_a_rank_that_died_before_its_release(floor):
+    launched, _round_id, _entered = _floor_round(floor, 2)
+    os.kill(launched.pids()[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while (problem := launched.problem()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert problem is not None
+    assert "rank 0" in problem and f"signal {int(signal.SIGKILL)}" in problem
+
+
+def test_floor_ranks_exit_once_their_helper_is_gone(floor):
+    method, session = floor
+    launched, _round_id, _entered = _floor_round(floor, 2)
+    ranks = [psutil.Process(pid) for pid in launched.pids()]
+    os.kill(method.helper_pids()[0], signal.SIGKILL)  # not its ranks; teardown reaps it
+    with pytest.raises(_bench.BenchError, match="helper .* exited"):
+        launched.join()
+    _gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert alive == []  # orphans that nobody would release
+    session.live.remove(launched)
