@@ -37,7 +37,7 @@ One object, described by :data:`SCHEMA` (a JSON-Schema subset: ``type``,
 ``enum``, ``minimum``, ``required``, ``properties``, ``additionalProperties``,
 ``items``):
 
-- ``schema``: ``"fastspawn-bench/1"``; ``started_at`` (UTC, ISO 8601);
+- ``schema``: ``"fastspawn-bench/2"``; ``started_at`` (UTC, ISO 8601);
   ``duration_s``.
 - ``machine``: ``cpu`` (model name from /proc/cpuinfo), ``cores``,
   ``usable_cores`` (CPU affinity), ``kernel``, ``python``, ``fastspawn``
@@ -135,7 +135,7 @@ def _wait_for_release(bench_pidfd: int) -> None:
 
 # ---------------------------------------------------------------- methods
 
-SCHEMA_ID = "fastspawn-bench/1"
+SCHEMA_ID = "fastspawn-bench/2"
 BASELINE = "mp-spawn"
 BINARY_BASELINE = "binary-popen"
 FLOOR = "floor"
