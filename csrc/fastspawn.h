@@ -40,6 +40,12 @@ int fs_arena_place(size_t size);
 int fs_arena_region(uintptr_t *base, size_t *size, size_t *used);
 
 /* launch.c: clone + exec of a binary */
+struct fs_rlimit {
+    int resource;              /* RLIMIT_* */
+    uint64_t soft;             /* RLIM_INFINITY is ~0 */
+    uint64_t hard;
+};
+
 struct fs_launch_spec {
     const char *path;          /* absolute or relative path of the binary */
     char *const *argv;         /* NULL-terminated */
@@ -56,7 +62,19 @@ struct fs_launch_spec {
     int process_group;         /* > 0: setpgid(0, it) in the child */
     int set_sigmask;           /* non-zero: the child's signal mask is sigmask */
     uint64_t sigmask;          /* bit n-1 blocks signal n; else the parent's mask */
+    uint64_t default_signals;  /* bit n-1: signal n back to SIG_DFL even if ignored */
+    /* The process settings a child would otherwise inherit (see _procstate):
+     * applied best effort, a refusal noted on the child's stderr. */
+    int set_umask;             /* non-zero: umask(umask) */
+    unsigned int umask;
+    int set_nice;              /* non-zero: setpriority(PRIO_PROCESS, 0, nice) */
+    int nice;
+    const unsigned long *affinity;  /* a CPU mask (sched_setaffinity(2)); NULL: inherit */
+    size_t affinity_size;      /* its size in bytes */
+    const struct fs_rlimit *rlimits;  /* setrlimit() each */
+    int n_rlimits;
 };
+
 
 /* The step of a launch that failed, fs_launch's *failed_step: what errno is
  * about (ENOENT from FS_STEP_CHDIR is the cwd's, not the binary's). */

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -81,8 +82,10 @@ static int cloexec_from(int lowfd)
 /* Reset every caught signal to its default.  Signals are blocked (the parent
  * blocked them before clone), and must stay so until this ran: a handler of
  * the parent's running here would run on shared memory.  SIGPIPE goes back
- * to default as well; Python ignores it and binaries expect the default. */
-static void reset_signal_handlers(void)
+ * to default as well; Python ignores it and binaries expect the default.
+ * So do the ignored signals in default_signals (the zygote ignores SIGINT,
+ * Python SIGXFSZ). */
+static void reset_signal_handlers(uint64_t default_signals)
 {
     struct sigaction sa;
     int sig;
@@ -95,7 +98,8 @@ static void reset_signal_handlers(void)
         if (sigaction(sig, NULL, &old) != 0)
             continue;
         if (old.sa_handler != SIG_DFL &&
-            (old.sa_handler != SIG_IGN || sig == SIGPIPE)) {
+            (old.sa_handler != SIG_IGN || sig == SIGPIPE ||
+             (sig <= 64 && (default_signals & (1ULL << (sig - 1)))))) {
             sa.sa_handler = SIG_DFL;
             sigaction(sig, &sa, NULL);
         }
@@ -177,18 +181,58 @@ static int set_program_mask(const struct fs_launch_spec *s, const sigset_t *pare
     return sigprocmask(SIG_SETMASK, &mask, NULL);
 }
 
+/* A refused process setting, noted on the child's stderr (write(2) only:
+ * async-signal-safe). */
+static void note_kept(const char *what)
+{
+    static const char head[] = "fastspawn: this rank keeps its launcher's ";
+    ssize_t ignored;
+
+    ignored = write(2, head, sizeof(head) - 1);
+    ignored = write(2, what, strlen(what));
+    ignored = write(2, "\n", 1);
+    (void)ignored;
+}
+
+/* The spec's umask, nice value, CPU affinity and resource limits, as a
+ * fresh child of the caller would have them.  Best effort, as for a forked
+ * worker (_procstate.apply): what the kernel refuses (a lower nice value or
+ * a higher hard limit without the privilege, a CPU outside the cpuset) is
+ * noted and left as inherited. */
+static void apply_process_settings(const struct fs_launch_spec *s)
+{
+    int i;
+
+    if (s->set_umask)
+        umask((mode_t)s->umask);
+    if (s->set_nice && setpriority(PRIO_PROCESS, 0, s->nice) != 0)
+        note_kept("nice value");
+    if (s->affinity != NULL &&
+        sched_setaffinity(0, s->affinity_size, (const cpu_set_t *)s->affinity) != 0)
+        note_kept("CPU affinity");
+    for (i = 0; i < s->n_rlimits; i++) {
+        struct rlimit rl;
+
+        rl.rlim_cur = (rlim_t)s->rlimits[i].soft;
+        rl.rlim_max = (rlim_t)s->rlimits[i].hard;
+        if (setrlimit(s->rlimits[i].resource, &rl) != 0)
+            note_kept("resource limit");
+    }
+}
+
 static int child_main(void *opaque)
 {
     struct child_args *args = opaque;
     const struct fs_launch_spec *s = args->spec;
 
-    reset_signal_handlers();
+    reset_signal_handlers(s->default_signals);
     if (s->pdeathsig > 0 && fs_set_pdeathsig(s->pdeathsig, args->parent) != 0)
         child_fail(args, FS_STEP_PDEATHSIG);
     if (set_group(s) != 0)
         child_fail(args, s->new_session ? FS_STEP_SETSID : FS_STEP_SETPGID);
     if (redirect_stdio(s) != 0)
         child_fail(args, FS_STEP_STDIO);
+    apply_process_settings(s);
     if (keep_only_keep_fds(s) != 0)
         child_fail(args, FS_STEP_KEEP_FDS);
     if (s->cwd != NULL && chdir(s->cwd) != 0)

@@ -35,6 +35,7 @@ class LaunchRequest:
         stdio: Mapping[int, tuple[int, int]] | None = None,
         process_group: bool = True,
         keep_stdin: bool = False,
+        binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -49,6 +50,10 @@ class LaunchRequest:
         # Workers read /dev/null, as multiprocessing's do; with keep_stdin
         # (binary ranks) the caller's stdin instead.
         self.keep_stdin = keep_stdin
+        # (path, {rank: argv}) when every rank is that binary, exec'd: a
+        # method that can start it without a Python worker first (the
+        # zygote, with the C launcher) does; the others run fn, which execs.
+        self.binary = binary
         # zygote: put the launch's workers in a process group of their own
         # (binary ranks lead a session each instead).
         self.process_group = process_group

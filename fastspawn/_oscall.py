@@ -247,8 +247,19 @@ def launch(
     new_session: bool = False,
     new_process_group: bool = False,
     process_group: int = 0,
+    default_signals: Iterable[int] = (),
+    signal_mask: Iterable[int] | None = None,
+    process_state: Mapping[str, Any] | None = None,
 ) -> tuple[int, int]:
     """Start a binary without copying the caller's memory (clone + exec).
+
+    ``default_signals`` go back to SIG_DFL in the child even where this
+    process ignores them (caught ones always do, and SIGPIPE).
+    ``signal_mask``: the signals the program starts with blocked (None:
+    this thread's mask, as it was outside held_signals()).
+    ``process_state``: settings for the child in place of this process's,
+    as _procstate.changed() gives them (umask, affinity, nice, rlimits);
+    applied best effort, as _procstate.apply() does in a forked worker.
 
     Returns:
         ``(pid, pidfd)``.
@@ -282,8 +293,11 @@ def launch(
             "process_group": process_group,
         },
     )
-    outside = getattr(_outside, "mask", None)
-    if outside is not None:  # inside held_signals(): not the held mask
+    spec.default_signals = _mask_bits(default_signals)
+    if process_state:
+        _set_process_state(spec, process_state, keep)
+    outside = getattr(_outside, "mask", None) if signal_mask is None else signal_mask
+    if outside is not None:  # given, or inside held_signals(): not the held mask
         spec.set_sigmask = 1
         spec.sigmask = _mask_bits(outside)
     pidfd = ffi.new("int *")
@@ -293,6 +307,36 @@ def launch(
         err = ffi.errno
         raise _launch_error(err, int(step[0]), path, cwd, new_process_group, process_group)
     return int(pid), int(pidfd[0])
+
+
+def _set_process_state(spec: Any, state: Mapping[str, Any], keep: list[Any]) -> None:
+    """Fill ``spec``'s umask, nice, affinity and rlimits from ``state``
+    (_procstate's form); the C arrays made go into ``keep``."""
+    if "umask" in state:
+        spec.set_umask = 1
+        spec.umask = state["umask"]
+    if "nice" in state:
+        spec.set_nice = 1
+        spec.nice = state["nice"]
+    if "affinity" in state:
+        bits = ffi.sizeof("unsigned long") * 8
+        words = [0] * (max(state["affinity"], default=0) // bits + 1)
+        for cpu in state["affinity"]:
+            words[cpu // bits] |= 1 << (cpu % bits)
+        mask = ffi.new("unsigned long[]", words)
+        keep.append(mask)
+        spec.affinity = mask
+        spec.affinity_size = ffi.sizeof(mask)
+    limits = state.get("rlimits", {})
+    if limits:
+        array = ffi.new("struct fs_rlimit[]", len(limits))
+        for item, (number, (soft, hard)) in zip(array, sorted(limits.items()), strict=True):
+            item.resource = number
+            item.soft = soft & 0xFFFFFFFFFFFFFFFF  # RLIM_INFINITY (-1 here) is ~0
+            item.hard = hard & 0xFFFFFFFFFFFFFFFF
+        keep.append(array)
+        spec.rlimits = array
+        spec.n_rlimits = len(limits)
 
 
 # How an error names the steps of fs_launch (enum fs_launch_step) that are

@@ -421,7 +421,10 @@ class _Zygote:
         stdio = _LaunchStdio(header, carried[header.user_fds :])
         launch = _Launch(tx, header.nprocs)
         fn, args, payload_error = self.prepare(header, payload, user_fds, tx)
-        pids = self.fork_ranks(header, launch, stdio, fn, args, payload_error)
+        if header.binary is not None and payload_error is None:
+            pids = self.start_binaries(header, launch, stdio)
+        else:
+            pids = self.fork_ranks(header, launch, stdio, fn, args, payload_error)
         del fn, args
         # Arguments in a reference cycle (an object that refers to itself)
         # would wait for a collection, or be frozen by settle(), holding the
@@ -557,6 +560,57 @@ class _Zygote:
         finally:
             if group:
                 _oscall.release_group_anchor(group)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
+            stdio.close()
+        return pids
+
+    def start_binaries(
+        self, header: protocol.LaunchHeader, launch: _Launch, stdio: _LaunchStdio
+    ) -> list[int]:
+        """Start a launch whose ranks are a binary with the C launcher
+        (clone + exec, no copy of our memory, no Python in the child), each
+        in a session of its own with PR_SET_PDEATHSIG against us: what a
+        forked worker running _elastic_worker.exec_binary would become, at
+        the cost of a spawn.  Our children all the same: reaped and reported
+        as forked workers are.  On a failure, as fork_ranks."""
+        assert header.binary is not None
+        path, argvs = header.binary
+        base_env = dict(os.environ)  # the caller's, taken on by prepare()
+        stdin = -1 if stdio.caller_in is None else stdio.caller_in
+        pids: list[int] = []
+        # As in fork_ranks: our own SIGTERM (the guard died) must not land
+        # in the middle, taken for a failed launch.  (The programs start
+        # with no signal blocked: signal_mask below.)
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
+        try:
+            for rank in range(header.nprocs):
+                rank_stdio, _unused = stdio.for_rank(rank)
+                out, err = rank_stdio if rank_stdio is not None else (-1, -1)
+                pid, pidfd = _oscall.launch(
+                    path,
+                    argvs[rank],
+                    {**base_env, **header.envs.get(rank, {})},
+                    stdin=stdin,
+                    stdout=out,
+                    stderr=err,
+                    pdeathsig=signal.SIGKILL,
+                    new_session=True,
+                    # Ignored here (SIGINT) or by Python (SIGXFSZ): a
+                    # program expects them at their defaults.
+                    default_signals=(signal.SIGINT, signal.SIGXFSZ),
+                    signal_mask=(),
+                    process_state=header.process_state,
+                )
+                os.close(pidfd)  # _send_pidfds opens the caller's
+                pids.append(pid)
+                self.workers[pid] = (launch, rank)
+        except BaseException:
+            launch.queue(-1, _channel.LAUNCH_FAILED, traceback.format_exc().encode())
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
+            launch.live = len(pids)
+            pids = []
+        finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             stdio.close()
         return pids

@@ -95,6 +95,9 @@ class LaunchHeader:
         stdio_slots: ``(rank, 1 or 2)`` for each per-rank stdio fd.
         default_stdio: how many of the caller's own stdio fds follow (2: fds
             1 and 2; 3: 0, 1 and 2).
+        binary: ``(path, {rank: argv})`` when the ranks are that binary: the
+            zygote starts them with the C launcher rather than as forked
+            workers that exec it; else None.
     The fds arrive in that order: user fds, stdio slots, the caller's stdio.
     """
 
@@ -112,6 +115,7 @@ class LaunchHeader:
         "user_fds",
         "stdio_slots",
         "default_stdio",
+        "binary",
     )
 
     def __init__(
@@ -130,6 +134,7 @@ class LaunchHeader:
         user_fds: int,
         stdio_slots: Sequence[tuple[int, int]],
         default_stdio: int,
+        binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
     ) -> None:
         self.nprocs = int(nprocs)
         self.daemon = bool(daemon)
@@ -144,6 +149,11 @@ class LaunchHeader:
         self.user_fds = user_fds
         self.stdio_slots = [(rank, stream) for rank, stream in stdio_slots]
         self.default_stdio = default_stdio
+        self.binary = (
+            None
+            if binary is None
+            else (binary[0], {rank: list(argv) for rank, argv in binary[1].items()})
+        )
 
     def __repr__(self) -> str:
         return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"

@@ -530,14 +530,16 @@ class PContext:
         return stdio, child_fds
 
     def _request(self, stdio: dict[int, tuple[int, int]]) -> _launch.LaunchRequest:
+        binary: tuple[str, dict[int, list[str]]] | None = None
         if isinstance(self.entrypoint, str):
             assert self._binary_path is not None, "resolved in start()"
             argvs = {
                 rank: [self.entrypoint, *(str(a) for a in self.args[rank])]
                 for rank in range(self.nprocs)
             }
+            binary = (self._binary_path, argvs)
             fn: Callable[..., Any] = exec_binary
-            fn_args: tuple[Any, ...] = (self._binary_path, argvs)
+            fn_args: tuple[Any, ...] = binary
             method = registry.get(registry.DEFAULT)  # the zygote adopts orphans
         else:
             fn = run_function
@@ -551,10 +553,11 @@ class PContext:
             method=method,
             envs=self.envs,
             stdio=stdio,
-            process_group=not isinstance(self.entrypoint, str),
+            process_group=binary is None,
             # A binary reads the launcher's stdin, as under torch's
             # subprocess handler; function ranks read /dev/null.
-            keep_stdin=isinstance(self.entrypoint, str),
+            keep_stdin=binary is not None,
+            binary=binary,
         )
 
     # -------------------------------------------------------------- wait

@@ -101,6 +101,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> _zygote_client.Zygote
         user_fds=len(collector.fds),
         stdio_slots=stdio_slots,
         default_stdio=len(default_stdio),
+        binary=req.binary,
     )
     try:
         payload_fd = common.payload_memfd(header.encode() + work)
