@@ -1,9 +1,12 @@
-"""Binary launch: fastspawn's C launcher against subprocess.Popen.
+"""Binary launch: fastspawn's C launcher and binary ranks against subprocess.Popen.
 
     python benchmarks/binary_bench.py [--count 256] [--rounds 5] [--parent-mib 1024]
 
-Each round starts ``--count`` copies of /bin/true and waits for all, three
+Each round starts ``--count`` copies of /bin/true and waits for all, four
 ways, interleaved round by round:
+  elastic      fastspawn.elastic.start_processes with /bin/true as the
+               entrypoint (what `fastspawn run --no-python` runs): the zygote
+               starts each rank with the C launcher
   fastspawn    fastspawn's clone(CLONE_VM|CLONE_VFORK)+exec launcher, with
                PR_SET_PDEATHSIG armed before exec and the parent re-checked
   popen+pdeath subprocess.Popen with a preexec_fn that sets PR_SET_PDEATHSIG
@@ -50,6 +53,21 @@ def fastspawn_launch(count: int) -> float:
     return time.monotonic() - t0
 
 
+def elastic_launch(count: int) -> float:
+    from fastspawn import elastic
+
+    ranks = range(count)
+    t0 = time.monotonic()
+    ctx = elastic.start_processes(
+        "bench", "/bin/true", {r: () for r in ranks}, {r: {} for r in ranks}, log_dir=os.devnull
+    )
+    result = ctx.wait()
+    elapsed = time.monotonic() - t0
+    if result is None or result.is_failed():
+        raise RuntimeError(f"a rank failed: {result}")
+    return elapsed
+
+
 def popen(preexec: bool) -> Callable[[int], float]:
     def run(count: int) -> float:
         t0 = time.monotonic()
@@ -76,6 +94,7 @@ def main() -> None:
     if ballast:
         ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # touch every page
     methods = {
+        "elastic": elastic_launch,
         "fastspawn": fastspawn_launch,
         "popen+pdeath": popen(True),
         "popen": popen(False),
@@ -96,6 +115,8 @@ def main() -> None:
         "median_s": med,
         "popen_pdeath_vs_fastspawn": med["popen+pdeath"] / med["fastspawn"],
         "popen_vs_fastspawn": med["popen"] / med["fastspawn"],
+        "elastic_vs_popen": med["elastic"] / med["popen"],
+        "popen_pdeath_vs_elastic": med["popen+pdeath"] / med["elastic"],
     }
     print(json.dumps(report, indent=2))
 
