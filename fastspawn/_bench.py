@@ -1095,14 +1095,16 @@ def sweep(
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values``, interpolating linearly between ranks."""
-    ordered = sorted(values)
-    if not ordered:
+    """The ``q`` quantile of ``values`` (0 < q < 1), interpolating linearly
+    between ranks (statistics' "inclusive" method, R's type 7)."""
+    import statistics
+
+    if not values:
         raise ValueError("quantile of no values")
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    if len(values) == 1:
+        return float(values[0])  # statistics.quantiles wants two
+    cuts = statistics.quantiles(values, n=1000, method="inclusive")
+    return cuts[round(q * 1000) - 1]
 
 
 def _over(median: float, base: float | None) -> float | None:

@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastspawn", description="fastspawn: orphan-safe, fast process launching."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",
@@ -645,8 +646,17 @@ def _cannot_start(program: str, exc: OSError) -> int:
     return 127 if isinstance(exc, FileNotFoundError) else 126
 
 
+def _package_version() -> str:
+    from fastspawn import __version__
+
+    return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        build_parser().print_help()  # no command: what there is to run
+        return 2
     if argv and argv[0] == "bench":
         from fastspawn._bench import main as bench_main
 

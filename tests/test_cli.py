@@ -539,3 +539,22 @@ def test_signal_between_two_attempts_stops_cleanly(monkeypatch, capsys):
     code = _cli.main(["run", "--nprocs-per-node", "1", "--max-restarts", "1", "/bin/false"])
     assert code == 128 + signal.SIGTERM
     assert "got SIGTERM, stopping" in capsys.readouterr().err
+
+
+def test_version_is_the_packages():
+    import fastspawn
+
+    done = subprocess.run(
+        [sys.executable, "-m", "fastspawn", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"fastspawn {fastspawn.__version__}"
+
+
+def test_no_command_prints_the_help():
+    done = subprocess.run(
+        [sys.executable, "-m", "fastspawn"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "usage: fastspawn" in done.stdout
+    assert "run" in done.stdout and "bench" in done.stdout
