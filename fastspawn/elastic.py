@@ -764,7 +764,8 @@ def start_processes(
         name: a short name, shown in tee'd lines as ``[{name}{rank}]:``.
         entrypoint: a callable (``entrypoint(*args[rank])``) or a binary path
             or name (``args[rank]`` converted with ``str()``).
-        args, envs: per rank, keyed exactly ``0..n-1``.
+        args: per rank, the entrypoint's arguments, keyed exactly ``0..n-1``.
+        envs: per rank, the variables set in it, keyed exactly ``0..n-1``.
         log_dir: an existing, empty directory (or ``os.devnull`` for no
             files); each rank gets ``{rank}/stdout.log`` and ``stderr.log``
             there for the streams redirected or tee'd, and ``error.json``
