@@ -1396,68 +1396,59 @@ def limit_problem(
     nofile_limit: int,
     fds_open: int,
     report_ranks: int,
+    pid_max: int | None = None,
+    threads_max: int | None = None,
 ) -> str | None:
     """Why ``nprocs`` ranks cannot run under these limits, or None.
 
     ``nproc_limit`` / ``nofile_limit`` are soft RLIMIT_NPROC / RLIMIT_NOFILE
     values (resource.RLIM_INFINITY for none); ``tasks_in_use`` counts this
-    user's processes and threads, ``fds_open`` this process's open fds.
+    user's processes and threads, ``fds_open`` this process's open fds;
+    ``pid_max`` / ``threads_max`` the machine's (None: not checked).  The
+    limits themselves are fastspawn's launch check (_limits), here counting
+    what runs already, with room for the bench's helpers.
     """
-    import resource
+    from fastspawn import _limits
 
-    if nproc_limit != resource.RLIM_INFINITY:
-        need = nprocs + _SPARE_TASKS
-        if tasks_in_use + need > nproc_limit:
-            return (
-                f"--nprocs {nprocs} needs about {need} more processes, but RLIMIT_NPROC "
-                f"(ulimit -u) is {nproc_limit} and this user already runs {tasks_in_use} "
-                "processes and threads: lower --nprocs, or raise the limit with ulimit -u"
-            )
-    if nofile_limit != resource.RLIM_INFINITY:
-        need = fds_open + nprocs * fds_per_rank + _SPARE_FDS
-        if need > nofile_limit:
-            return (
-                f"--nprocs {nprocs} needs about {need} open files in the bench "
-                f"({fds_per_rank} per rank), but RLIMIT_NOFILE (ulimit -n) is {nofile_limit}: "
-                f"lower --nprocs, or raise the limit with ulimit -n {need}"
-            )
-    if nprocs > report_ranks:
-        return (
+    demand = _limits.Demand(
+        nprocs,
+        f"--nprocs {nprocs}",
+        "lower --nprocs",
+        holder="the bench",
+        fds_per_rank=fds_per_rank,
+        tasks_in_use=tasks_in_use,
+        fds_open=fds_open,
+        spare_tasks=_SPARE_TASKS,
+        spare_fds=_SPARE_FDS,
+    )
+    limits = _limits.Limits(
+        nproc=_limits.finite(nproc_limit),
+        nofile=_limits.finite(nofile_limit),
+        pid_max=pid_max,
+        threads_max=threads_max,
+    )
+    problem = _limits.problem(demand, limits)
+    if problem is None and nprocs > report_ranks:
+        problem = (
             f"--nprocs {nprocs} is more ranks than the bench's report pipe holds "
             f"({report_ranks}; its size is capped by /proc/sys/fs/pipe-max-size): "
             "lower --nprocs"
         )
-    return None
-
-
-def _tasks_of(uid: int) -> int:
-    """Processes plus threads of ``uid``: what RLIMIT_NPROC counts."""
-    count = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                uid_line = threads = None
-                for line in f:
-                    if line.startswith("Uid:"):
-                        uid_line = line
-                    elif line.startswith("Threads:"):
-                        threads = int(line.split()[1])
-                        break
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if uid_line is not None and int(uid_line.split()[1]) == uid and threads:
-            count += threads
-    return count
+    return problem
 
 
 def check_limits(nprocs: int, methods: Sequence[str], reports: Reports) -> str | None:
-    """:func:`limit_problem` with this process's real limits."""
+    """:func:`limit_problem` with this process's real limits.  RLIMIT_NPROC
+    counts as set even where the kernel would let this process past it
+    (root): a sweep measures launches, and one that runs past the limit its
+    user set is not the measurement asked for."""
     import resource
 
+    from fastspawn import _limits
+
+    machine = _limits.Limits.current()
     nproc_limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    tasks = _tasks_of(os.getuid()) if nproc_limit != resource.RLIM_INFINITY else 0
+    tasks = _limits.tasks_of(os.getuid()) if nproc_limit != resource.RLIM_INFINITY else 0
     return limit_problem(
         nprocs,
         max(_FDS_PER_RANK[m.split("-", 1)[0]] for m in methods),
@@ -1466,6 +1457,8 @@ def check_limits(nprocs: int, methods: Sequence[str], reports: Reports) -> str |
         nofile_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         fds_open=len(os.listdir("/proc/self/fd")),
         report_ranks=reports.max_ranks,
+        pid_max=machine.pid_max,
+        threads_max=machine.threads_max,
     )
 
 

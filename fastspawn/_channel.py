@@ -15,6 +15,7 @@ messages, the last one flagged.
 from __future__ import annotations
 
 import array
+import errno
 import os
 import socket
 import struct
@@ -28,10 +29,50 @@ ERROR = 2  # body: the worker's formatted traceback, UTF-8
 UNPICKLABLE = 3  # body: why the return value could not be pickled, UTF-8
 EXIT = 4  # body: int32 (rank, exit status) pairs (server)
 PIDS = 5  # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
-LAUNCH_FAILED = 6  # body: the server's traceback, UTF-8 (rank -1)
+LAUNCH_FAILED = 6  # body: a LaunchFailure (rank -1)
 GROUP = 7  # body: int32 id of the launch's process group (server, rank -1)
 
 MAX_FDS = 250  # SCM_MAX_FD is 253 per message
+
+
+class LaunchFailure:
+    """Why a launch's ranks could not start (LAUNCH_FAILED's body, from
+    the zygote; or the caller's own finding).
+
+    As _posixsubprocess reports a child's failure, by number: ``errno`` is
+    that of the system call that failed and ``call`` names it and where
+    (``"fork of rank 57 of 60 in the zygote"``), so that the caller raises
+    the OSError subclass the call would have raised there (BlockingIOError
+    for EAGAIN, with what to do).  ``errno`` 0: no system call failed (a
+    bug), and ``detail`` (the server's traceback) says what did.
+    """
+
+    __slots__ = ("errno", "call", "detail")
+
+    _HEAD = struct.Struct("<iI")  # errno, length of call in bytes
+
+    def __init__(self, errno: int, call: str, detail: str = "") -> None:
+        self.errno = errno
+        self.call = call
+        self.detail = detail
+
+    def __repr__(self) -> str:
+        return f"LaunchFailure(errno={self.errno}, call={self.call!r})"
+
+    def encode(self) -> bytes:
+        """One message's worth: a long detail keeps its end (where a
+        traceback says what failed)."""
+        call = self.call.encode()[: CHUNK // 2]
+        room = CHUNK - self._HEAD.size - len(call)
+        detail = self.detail.encode()[-room:]
+        return self._HEAD.pack(self.errno, len(call)) + call + detail
+
+    @classmethod
+    def decode(cls, body: bytes) -> LaunchFailure:
+        err, length = cls._HEAD.unpack_from(body)
+        start = cls._HEAD.size
+        call = body[start : start + length].decode("utf-8", "replace")
+        return cls(err, call, body[start + length :].decode("utf-8", "replace"))
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -93,7 +134,7 @@ class Reports:
         self.exits: dict[int, int] = {}
         self.pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd)
         self.group = 0  # the workers' process group (zygote launches), 0: none
-        self.launch_failed: str | None = None
+        self.launch_failed: LaunchFailure | None = None
         self.eof = False
         self._partial: dict[tuple[int, int], list[bytes]] = {}
 
@@ -169,12 +210,14 @@ class Receiver:
         for i, pid in enumerate(pids):
             r.pids[rank + i] = (pid, fds[i] if i < len(fds) else -1)
         if len(fds) < len(pids) and r.launch_failed is None:
-            # The kernel dropped the fds it could not install here.
-            why = ": out of file descriptors" if msg_flags & socket.MSG_CTRUNC else ""
-            r.launch_failed = (
-                f"the workers' pidfds did not arrive ({len(pids) - len(fds)} of "
-                f"{len(pids)} missing{why}); raise the limit on open files "
-                "(ulimit -n) or start fewer ranks"
+            # The kernel dropped the fds it could not install here: out of
+            # fds (it says which only by MSG_CTRUNC).
+            missing = f"{len(pids) - len(fds)} of {len(pids)} missing"
+            r.launch_failed = LaunchFailure(
+                errno.EMFILE if msg_flags & socket.MSG_CTRUNC else 0,
+                f"receiving the workers' pidfds: {missing}",
+                f"the workers' pidfds did not arrive ({missing}); raise the limit on "
+                "open files (ulimit -n) or start fewer ranks",
             )
 
     def _apply_part(self, rank: int, kind: int, flags: int, body: bytes) -> None:
@@ -195,7 +238,7 @@ class Receiver:
         elif kind == UNPICKLABLE:
             r.unpicklable[rank] = whole.decode("utf-8", "replace")
         elif kind == LAUNCH_FAILED:
-            r.launch_failed = whole.decode("utf-8", "replace")
+            r.launch_failed = LaunchFailure.decode(whole)
 
     def close(self) -> None:
         self.sock.close()

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 
-from fastspawn import elastic
+from fastspawn import _limits, elastic
 
 RUN_DESCRIPTION = """\
 Start N copies (ranks) of a program on this node, each with the environment
@@ -92,6 +92,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _ranks(text: str) -> int:
+    """--nprocs-per-node: at least 1, and no more than the limits on
+    processes and open files allow (an absurd count is a usage error, not
+    a launch that takes every free pid on the machine)."""
+    value = _positive(text)
+    try:
+        _limits.check_nprocs(value, f"a launch of {value} ranks", "lower --nprocs-per-node")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -117,7 +129,7 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nprocs-per-node",
         "--nproc-per-node",
-        type=_positive,
+        type=_ranks,
         required=True,
         metavar="N",
         help="ranks to start on this node",

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
-from fastspawn import _launch, _oscall, _zygote_client
+from fastspawn import _launch, _limits, _oscall, _zygote_client
 from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
     ProcessExitedException,
@@ -471,6 +471,9 @@ def _check_nprocs(nprocs: Any) -> int:
             f"nprocs must be a number of processes, 0 or more (or -1 for one per usable "
             f"CPU), got {count}"
         )
+    # More than the limits allow (the user's processes or fds, the
+    # machine's pids) could only fail part-way, after taking what is free.
+    _limits.check_nprocs(count, f"nprocs={count}")
     return count
 
 
@@ -631,7 +634,13 @@ def start_processes(
         returns None there, and returning the context breaks no caller).
 
     Raises:
-        TypeError, ValueError: bad arguments, before any process starts.
+        TypeError, ValueError: bad arguments, before any process starts;
+            ValueError too for more ranks than the caller's limits on
+            processes or open files, or the machine's on pids, allow (the
+            message names the limit).
+        BlockingIOError: the ranks fit those limits but not beside what
+            this user runs already (EAGAIN from fork); nothing is left
+            running.
         pickle.PicklingError: ``fn`` or an argument cannot be pickled for a
             spawn-like start method; the message names which.
         ProcessRaisedException, ProcessExitedException: with ``join``, a

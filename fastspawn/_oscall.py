@@ -20,7 +20,9 @@ def _advice(err: int) -> str:
     if err in (errno.EMFILE, errno.ENFILE):
         return "; raise the limit on open files (ulimit -n) or start fewer processes"
     if err == errno.EAGAIN:
-        return "; the limit on processes (ulimit -u) or threads may be reached"
+        from fastspawn import _limits  # only now: the zygote and its workers skip it
+
+        return _limits.eagain_advice()
     return ""
 
 
@@ -34,6 +36,13 @@ def _error(err: int, call: str, filename: str | None = None) -> OSError:
     if filename is None or advice:
         return OSError(err, message)
     return OSError(err, message, filename)
+
+
+def oserror(err: int, call: str) -> OSError:
+    """The OSError subclass for errno ``err`` from ``call``, said as a failed
+    C call is (for a system call that failed elsewhere: in the zygote, or
+    in os.fork)."""
+    return _error(err, call)
 
 
 def _raise_errno(call: str) -> NoReturn:

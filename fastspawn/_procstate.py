@@ -111,3 +111,57 @@ def apply(diff: dict[str, Any]) -> None:
             "fastspawn: this worker keeps the zygote's setting for: " + "; ".join(problems),
             file=sys.stderr,
         )
+
+
+def adopt_fork_limits(diff: dict[str, Any]) -> list[tuple[int, tuple[int, int]]]:
+    """Fork the way the caller would: take on the caller's soft
+    RLIMIT_NPROC (from ``diff``, see ``changed``) in this process, the
+    zygote, for the forks of one launch.  The kernel checks the forking
+    process's limit, so without this a caller that lowered its limit after
+    the zygote started could start ranks past it (and one that raised it
+    could not start what a fork of its own would).  Of the limits workers
+    adopt, this is the only one fork(2) itself obeys: the others bind what a
+    worker does later, under the limits it applied.  Returns what
+    ``restore_limits`` puts back after the forks.
+
+    Only the soft limit moves, and only as far as this process's hard
+    limit: an unprivileged process that lowers its hard limit can never
+    raise it again, so the zygote would keep the caller's limit for every
+    later launch.  A lower hard limit of the caller's is applied by each
+    worker (``apply``), not here.
+    """
+    import resource
+
+    number = resource.RLIMIT_NPROC
+    wanted = diff.get("rlimits", {}).get(number)
+    if wanted is None:
+        return []
+    own = resource.getrlimit(number)
+    soft = _at_most(wanted[0], own[1])
+    if soft == own[0]:
+        return []
+    try:
+        resource.setrlimit(number, (soft, own[1]))
+    except (OSError, ValueError):
+        return []  # forks go on under the zygote's own limit, as before
+    return [(number, own)]
+
+
+def restore_limits(saved: list[tuple[int, tuple[int, int]]]) -> None:
+    """Put back the limits ``adopt_fork_limits`` changed (soft ones only,
+    below the hard limit it left alone: always allowed)."""
+    import resource
+
+    for number, limits in saved:
+        resource.setrlimit(number, limits)
+
+
+def _at_most(value: int, bound: int) -> int:
+    """``min(value, bound)`` for resource limits, RLIM_INFINITY the largest."""
+    import resource
+
+    if bound == resource.RLIM_INFINITY:
+        return value
+    if value == resource.RLIM_INFINITY:
+        return bound
+    return min(value, bound)

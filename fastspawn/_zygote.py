@@ -50,7 +50,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 
-from fastspawn import _channel, _hugepages, _oscall, _pickling, _worker
+from fastspawn import _channel, _hugepages, _oscall, _pickling, _procstate, _worker
 from fastspawn import _zygote_protocol as protocol
 from fastspawn._children import children_of, kill_children
 
@@ -239,7 +239,8 @@ def _send_pidfds(launch: _Launch, pids: list[int]) -> None:
             f"the zygote could not open pidfds for the workers ({exc}); raise the "
             "limit on open files (ulimit -n) or start fewer ranks"
         )
-        launch.queue(-1, _channel.LAUNCH_FAILED, why.encode())
+        failure = _channel.LaunchFailure(exc.errno or 0, "pidfd_open in the zygote", why)
+        launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
         for pid in pids:
             os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
 
@@ -505,6 +506,63 @@ class _Zygote:
         counted live until reaped); the pids returned are then none."""
         if header.nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
             self.collapse_now()
+        spec = self.worker_spec(header, launch, stdio, fn, args, payload_error)
+        pids: list[int] = []
+        # A signal landing between fork and _in_worker() would run the
+        # zygote's handlers in the worker (SIGTERM would make it act as a
+        # zygote shutting down, and exit 0).  Block them across the fork; the
+        # worker unblocks once its own dispositions are in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
+        # Fork under the caller's RLIMIT_NPROC, not ours (the caller's as
+        # the zygote started): past it, the launch fails with EAGAIN as the
+        # caller's own fork would.
+        saved_limits = _procstate.adopt_fork_limits(header.process_state)
+        group = 0
+        call = "fs_group_anchor"  # what runs now, for the report of a failure
+        try:
+            # The launch's process group is led by an anchor that exits at
+            # once (its zombie holds the group until every rank has joined),
+            # so no rank leads it and each may still setsid(), as a spawned
+            # worker can.
+            group = _oscall.group_anchor() if header.process_group else 0
+            if group:
+                launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
+            for rank in range(header.nprocs):
+                call = f"fork of rank {rank} of {header.nprocs}"
+                pid = os.fork()
+                if pid == 0:
+                    self.in_worker(spec, rank, group, stdio)
+                pids.append(pid)
+                self.workers[pid] = (launch, rank)
+                call = f"setpgid of rank {rank}"
+                _join_group(pid, group)
+        except BaseException as exc:
+            err = exc.errno if isinstance(exc, OSError) and exc.errno else 0
+            failure = _channel.LaunchFailure(err, f"{call} in the zygote", traceback.format_exc())
+            launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
+            launch.live = len(pids)
+            pids = []
+        finally:
+            if group:
+                _oscall.release_group_anchor(group)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
+            stdio.close()
+            _procstate.restore_limits(saved_limits)
+        return pids
+
+    def worker_spec(
+        self,
+        header: protocol.LaunchHeader,
+        launch: _Launch,
+        stdio: _LaunchStdio,
+        fn: Any,
+        args: Any,
+        payload_error: str | None,
+    ) -> _worker.ForkSpec:
+        """What each rank of a launch runs, and what it leaves to the
+        zygote; the zygote's output flushed, so no worker repeats it."""
         spec = _worker.ForkSpec(
             self.me,
             fn,
@@ -525,44 +583,7 @@ class _Zygote:
         _worker.zygote_handlers = len(getattr(logging, "_handlerList", ()))
         sys.stdout.flush()
         sys.stderr.flush()
-        pids: list[int] = []
-        # A signal landing between fork and _in_worker() would run the
-        # zygote's handlers in the worker (SIGTERM would make it act as a
-        # zygote shutting down, and exit 0).  Block them across the fork; the
-        # worker unblocks once its own dispositions are in place.
-        signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
-        group = 0
-        try:
-            # The launch's process group is led by an anchor that exits at
-            # once (its zombie holds the group until every rank has joined),
-            # so no rank leads it and each may still setsid(), as a spawned
-            # worker can.
-            group = _oscall.group_anchor() if header.process_group else 0
-            if group:
-                launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
-            for rank in range(header.nprocs):
-                pid = os.fork()
-                if pid == 0:
-                    self.in_worker(spec, rank, group, stdio)
-                if group:
-                    try:
-                        os.setpgid(pid, group)
-                    except (PermissionError, ProcessLookupError):
-                        pass  # it already did, and may have moved on
-                pids.append(pid)
-                self.workers[pid] = (launch, rank)
-        except BaseException:
-            launch.queue(-1, _channel.LAUNCH_FAILED, traceback.format_exc().encode())
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
-            launch.live = len(pids)
-            pids = []
-        finally:
-            if group:
-                _oscall.release_group_anchor(group)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
-            stdio.close()
-        return pids
+        return spec
 
     def start_binaries(
         self, header: protocol.LaunchHeader, launch: _Launch, stdio: _LaunchStdio
@@ -735,6 +756,17 @@ class _Zygote:
 
 
 _ZYGOTE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
+
+
+def _join_group(pid: int, group: int) -> None:
+    """Put a forked rank in its launch's process group (0: none).  Set in
+    both processes, as shells do, so that neither order of running leaves
+    a gap."""
+    if group:
+        try:
+            os.setpgid(pid, group)
+        except (PermissionError, ProcessLookupError):
+            pass  # it already did, and may have moved on
 
 
 def _on_sigchld(signum: int, frame: Any) -> None:

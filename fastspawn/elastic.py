@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from fastspawn import _context, _launch
+from fastspawn import _context, _launch, _limits
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException, signal_name
 from fastspawn._methods import registry
@@ -793,11 +793,13 @@ def start_processes(
         FileExistsError: a log file the ``LogsDest`` names exists already.
         FileNotFoundError, PermissionError: the binary cannot be found or run.
         ValueError: an unknown ``start_method`` (the message lists the valid
-            ones).
+            ones), or more ranks than the limits on processes or open files
+            allow (the message names the limit).
     """
     registry.get(start_method)  # before anything is made: an unknown one names the valid ones
     directory, logs_specs = _checked_log_args(log_dir, logs_specs, redirects, tee)
     nprocs = len(args)
+    _limits.check_nprocs(nprocs, f"a launch of {nprocs} ranks (len(args))")
     _validate_full_rank(args, nprocs, "args")
     _validate_full_rank(envs, nprocs, "envs")
     if isinstance(redirects, str) or isinstance(tee, str):

@@ -44,7 +44,7 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
         for rank in range(req.nprocs):
             held = _oscall.held_signals()
             with held:  # from the fork until the worker is in ``started``
-                pid = os.fork()
+                pid = _fork(rank)
                 if pid == 0:
                     signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
                     _in_worker(spec, rank, group, req.stdio.get(rank))
@@ -62,6 +62,17 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
                 started.append((pid, pidfd))
                 if rank == req.nprocs - 1:
                     common.release_anchor(req)  # here, with the signals still held
+
+
+def _fork(rank: int) -> int:
+    """os.fork(), whose error says which rank failed and, for EAGAIN, which
+    limit it met and what to do (as the zygote's and spawn's do)."""
+    try:
+        return os.fork()
+    except OSError as exc:
+        if not exc.errno:
+            raise
+        raise _oscall.oserror(exc.errno, f"fork of rank {rank}") from None
 
 
 def _in_worker(

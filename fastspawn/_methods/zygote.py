@@ -17,7 +17,7 @@ import sys
 
 from fastspawn import _oscall, _pickling, _zygote_client
 from fastspawn import _zygote_protocol as protocol
-from fastspawn._channel import Receiver
+from fastspawn._channel import LaunchFailure, Receiver
 from fastspawn._launch import LaunchRequest, Started, forget_groups, kill_started
 from fastspawn._methods import common
 from fastspawn._methods.base import StartMethod
@@ -177,14 +177,27 @@ def _take_workers(req: LaunchRequest, rx: Receiver, started: Started) -> None:
         reports.pids.clear()
     if reports.launch_failed is not None or len(started) < req.nprocs:
         common.end_group(req, started)
-        why = reports.launch_failed or (
+        raise _launch_error(reports.launch_failed)
+    if req.process_group:
+        req.group = reports.group
+
+
+def _launch_error(failure: LaunchFailure | None) -> Exception:
+    """What the caller raises for a launch the zygote could not start: the
+    OSError subclass of the system call that failed there, as if it had
+    failed here (BlockingIOError when fork met RLIMIT_NPROC); else a
+    RuntimeError with the zygote's traceback, or why there is none."""
+    if failure is not None and failure.errno:
+        return _oscall.oserror(failure.errno, failure.call)
+    if failure is not None:
+        why = failure.detail
+    else:
+        why = (
             "the zygote died during the launch; what it printed on stderr says why "
             "(a __main__ that starts processes without an `if __name__ == '__main__':` "
             "guard is a common cause)"
         )
-        raise RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
-    if req.process_group:
-        req.group = reports.group
+    return RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
 
 
 METHOD = Zygote()
