@@ -603,8 +603,12 @@ class _Zygote:
         # in the middle, taken for a failed launch.  (The programs start
         # with no signal blocked: signal_mask below.)
         signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
+        # Each start counts against RLIMIT_NPROC as a fork does (see fork_ranks).
+        saved_limits = _procstate.adopt_fork_limits(header.process_state)
+        call = ""
         try:
             for rank in range(header.nprocs):
+                call = f"start of rank {rank} of {header.nprocs} ({path})"
                 rank_stdio, _unused = stdio.for_rank(rank)
                 out, err = rank_stdio if rank_stdio is not None else (-1, -1)
                 pid, pidfd = _oscall.launch(
@@ -625,8 +629,10 @@ class _Zygote:
                 os.close(pidfd)  # _send_pidfds opens the caller's
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)
-        except BaseException:
-            launch.queue(-1, _channel.LAUNCH_FAILED, traceback.format_exc().encode())
+        except BaseException as exc:
+            err = exc.errno if isinstance(exc, OSError) and exc.errno else 0
+            failure = _channel.LaunchFailure(err, f"{call} in the zygote", traceback.format_exc())
+            launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
             launch.live = len(pids)
@@ -634,6 +640,7 @@ class _Zygote:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             stdio.close()
+            _procstate.restore_limits(saved_limits)
         return pids
 
     def in_worker(
