@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import operator
 import os
 import pickle
@@ -26,7 +27,7 @@ from fastspawn._errors import (
 from fastspawn._methods import registry
 from fastspawn._methods.base import StartMethod
 from fastspawn._pickling import describe_unpicklable
-from fastspawn._process import Process, running_among, wait_readable
+from fastspawn._process import Process, checked_seconds, running_among, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,11 @@ class ProcessContext:
         """Wait for any worker to exit; on a failure, stop the rest and raise.
 
         Args:
-            timeout: seconds to wait (None: until some worker exits).
+            timeout: seconds to wait (None or ``inf``: until some worker exits).
             grace_period: after a failure, how long the others get to exit by
                 themselves before SIGTERM, and again before SIGKILL
-                (None: no wait before SIGTERM, 30 s before SIGKILL).
+                (None: no wait before SIGTERM, 30 s before SIGKILL; ``inf``:
+                as long as they take, never signalled).
 
         Returns:
             True once every worker exited successfully (and on every later
@@ -160,12 +162,19 @@ class ProcessContext:
             ProcessRaisedException: a worker raised; the message ends with its
                 traceback.
             ProcessExitedException: a worker exited non-zero or was killed.
+            TypeError, ValueError: ``timeout`` or ``grace_period`` is not a
+                number, or nan (before anything else happens).
         """
+        timeout = checked_seconds(timeout, "timeout")
+        grace_period = checked_seconds(grace_period, "grace_period")
+        if timeout == math.inf:
+            timeout = None
         # One join at a time: two threads joining at once would close the
         # waiter and the channel under each other.  The wait for the lock
         # counts against the timeout.
         started = time.monotonic()
-        if not self._join_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+        wait = -1 if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
+        if not self._join_lock.acquire(timeout=wait):
             return False
         try:
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))

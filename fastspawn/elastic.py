@@ -17,6 +17,7 @@ import enum
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ from fastspawn import _context, _launch
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException, signal_name
 from fastspawn._methods import registry
+from fastspawn._process import checked_seconds
 from fastspawn._tee import Tee
 
 log = logging.getLogger(__name__)
@@ -627,17 +629,23 @@ class PContext:
         """Wait for all ranks to succeed or any to fail.
 
         Args:
-            timeout: seconds; 0 polls once, a negative value waits for ever.
+            timeout: seconds; 0 polls once, a negative value (or ``inf``)
+                waits for ever.
             period: accepted for compatibility; fastspawn waits on events
                 rather than polling, so it is not used.
 
         Returns:
             The result, or None if ``timeout`` ran out first.  After a
             failure the other ranks have been stopped.
+
+        Raises:
+            TypeError, ValueError: ``timeout`` is not a number, or nan.
         """
-        if timeout == 0:
+        seconds = checked_seconds(timeout, "timeout", none_allowed=False)
+        assert seconds is not None
+        if seconds == 0:
             return self._poll(0)
-        deadline = None if timeout < 0 else time.monotonic() + timeout
+        deadline = None if seconds < 0 or seconds == math.inf else time.monotonic() + seconds
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -656,13 +664,19 @@ class PContext:
         A later ``wait`` reports the ranks that did not end with exit code 0
         as failures (``exitcode`` minus the signal for a killed rank), unless
         it had returned a result before the close.
+
+        Raises:
+            TypeError, ValueError: ``timeout`` is not a number, or nan
+                (``inf``: no SIGKILL, however long the ranks take).
         """
+        limit = checked_seconds(timeout, "timeout", none_allowed=False)
+        assert limit is not None
         if self._ctx is None:
             return
         _forget_context(self)
         sig = signal.SIGTERM if death_sig is None else death_sig
         procs = [p for p in self._ctx.processes if p._exitcode is None]
-        self._stop_ranks(procs, sig, timeout)
+        self._stop_ranks(procs, sig, limit)
         self._drain_join_reports()
         self._tee.join(idle_timeout=5.0)
         if self._result is None:
