@@ -15,7 +15,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
-from typing import Any
+from typing import Any, NoReturn
 
 from fastspawn import _launch, _oscall, _zygote_client
 from fastspawn._channel import Receiver, channel_pair
@@ -160,7 +160,8 @@ class ProcessContext:
 
         Raises:
             ProcessRaisedException: a worker raised; the message ends with its
-                traceback.
+                traceback.  Raised whatever goes wrong while the others are
+                stopped: they are then killed, and none is left running.
             ProcessExitedException: a worker exited non-zero or was killed.
             TypeError, ValueError: ``timeout`` or ``grace_period`` is not a
                 number, or nan (before anything else happens).
@@ -201,14 +202,54 @@ class ProcessContext:
                 return False
             self._finish()
             return True
+        self._fail(failed.rank, grace_period)
+
+    def _fail(self, rank: int, grace_period: float | None) -> NoReturn:
+        """Rank ``rank`` ended badly: stop the others, then raise for it.
+
+        Whatever goes wrong while they stop, none is left running and the
+        failure is not lost: an error is logged, every worker killed and
+        reaped, and the failure raised; an interruption (Ctrl-C) kills and
+        reaps them too and propagates, leaving the failure for the next
+        join to raise.
+        """
         self._failed = True
-        self._stop_all(grace_period)
-        self._unreported = [
+        self._unreported = [rank]  # until raised below
+        try:
+            self._stop_all(grace_period)
+        except Exception:
+            log.exception(
+                "fastspawn: stopping the other workers after rank %d failed went wrong; "
+                "killing them",
+                rank,
+            )
+            self._kill_all(rank)
+        except BaseException:
+            self._kill_all(rank)
+            self._unreported = [rank, *self._failed_besides(rank)]
+            raise
+        self._unreported = self._failed_besides(rank)
+        raise self._exception(rank)
+
+    def _kill_all(self, rank: int) -> None:
+        """A teardown's last resort: SIGKILL every worker still running,
+        reap them all, release every fd (an error on the way is logged:
+        the failure of ``rank`` is what the caller must see)."""
+        try:
+            self._end(signal.SIGKILL)
+        except Exception:
+            log.exception(
+                "fastspawn: could not kill and reap every worker after rank %d failed", rank
+            )
+
+    def _failed_besides(self, rank: int) -> list[int]:
+        """The ranks other than ``rank`` that ended badly, all reaped."""
+        errors = self._receiver.reports.errors
+        return [
             proc.rank
             for proc in self.processes
-            if proc.rank != failed.rank and (proc.rank in errors or proc.exitcode != 0)
+            if proc.rank != rank and (proc.rank in errors or proc.exitcode != 0)
         ]
-        raise self._exception(failed.rank)
 
     def _collect(self, timeout: float | None) -> list[Process]:
         """Wait up to ``timeout`` for ready pidfds (one epoll_wait: O(ready),
@@ -323,12 +364,12 @@ class ProcessContext:
 
     def _exception(self, rank: int) -> Exception:
         proc = self.processes[rank]
-        code = proc.exitcode
-        assert code is not None
         tb = self._receiver.reports.errors.get(rank)
         if tb is not None:
             msg = f"\n\n-- Process {rank:d} terminated with the following error:\n" + tb
             return ProcessRaisedException(msg, rank, proc.pid)
+        code = proc.exitcode
+        assert code is not None
         if code < 0:
             name = signal_name(-code)
             return ProcessExitedException(

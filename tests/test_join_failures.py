@@ -3,11 +3,14 @@ forked children, and timeouts of any size."""
 
 from __future__ import annotations
 
+import logging
+import signal
+
 import pytest
 import workers
 
 import fastspawn
-from fastspawn import elastic
+from fastspawn import _context, elastic
 
 INF = float("inf")
 NAN = float("nan")
@@ -17,6 +20,56 @@ def start(fn, args=(), nprocs=3, start_method="zygote", **kwargs):
     return fastspawn.start_processes(
         fn, args, nprocs=nprocs, join=False, start_method=start_method, **kwargs
     )
+
+
+# ------------------------------------------------------------- teardown
+
+
+def test_join_grace_period_inf_raises_the_failure_and_leaves_nothing_running(start_method, caplog):
+    caplog.set_level(logging.WARNING, logger="fastspawn")
+    ctx = start(workers.raise_on_rank0_others_ignore_sigterm, (3.0,), start_method=start_method)
+    # Bad values are refused at the call, before anything changes.
+    with pytest.raises(ValueError, match="grace_period.*nan"):
+        ctx.join(grace_period=NAN)
+    with pytest.raises(TypeError, match="grace_period must be a number"):
+        ctx.join(grace_period="x")
+    # inf: the others get as long as they take, and are never signalled.
+    with pytest.raises(
+        fastspawn.ProcessRaisedException,
+        match=r"\nValueError: legitimate exception from process 0\n?$",
+    ) as info:
+        while not ctx.join(grace_period=INF):
+            pass
+    assert info.value.error_index == 0
+    assert [proc.exitcode for proc in ctx.processes] == [1, 0, 0]
+    assert ctx.join() is True
+    assert ctx.return_values == {1: None, 2: None}
+    assert "Terminating process" not in caplog.text
+
+
+def test_join_teardown_error_still_raises_the_failure_and_leaves_nothing_running(
+    start_method, monkeypatch, caplog
+):
+    def broken_wait(self, timeout):
+        raise OverflowError("the graceful wait broke")
+
+    monkeypatch.setattr(_context.ProcessContext, "_wait_all", broken_wait)
+    ctx = start(workers.raise_on_rank0_others_ignore_sigterm, (600.0,), start_method=start_method)
+    with pytest.raises(
+        fastspawn.ProcessRaisedException,
+        match=r"\nValueError: legitimate exception from process 0\n?$",
+    ):
+        while not ctx.join(grace_period=5):
+            pass
+    # The others ignore SIGTERM and would sleep for 10 minutes: killed.
+    assert [proc.exitcode for proc in ctx.processes] == [1, -signal.SIGKILL, -signal.SIGKILL]
+    assert "the graceful wait broke" in caplog.text
+    # As after any failure, each later join raises for one more rank that
+    # ended badly, then returns True.
+    for rank in (1, 2):
+        with pytest.raises(fastspawn.ProcessExitedException, match=f"process {rank} .* SIGKILL"):
+            ctx.join()
+    assert ctx.join() is True
 
 
 # ------------------------------------------------------------- timeouts

@@ -53,6 +53,15 @@ def return_or_raise(rank: int) -> None:
     raise ValueError("legitimate exception")
 
 
+def raise_on_rank0_others_ignore_sigterm(rank: int, seconds: float) -> None:
+    """Rank 0 raises at once; the others ignore SIGTERM and return after
+    ``seconds``."""
+    if rank == 0:
+        raise ValueError("legitimate exception from process 0")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)
+
+
 def no_args() -> None:  # called as fn(rank): TypeError in the child
     pass
 
