@@ -39,11 +39,18 @@ def run_function(
     rank: int, entrypoint: Callable[..., Any], args: Mapping[int, Sequence[Any]]
 ) -> Any:
     """Call ``entrypoint(*args[rank])``; on an exception write the error file
-    first, then let the core report it."""
+    first, then let the core report it.
+
+    Only the rank writes it: a child the rank forked (``os.fork()`` in the
+    entrypoint) that raises out of it is not the rank, and the rank's own
+    exit status decides whether it failed (see ``_worker.run``).
+    """
+    rank_pid = os.getpid()
     try:
         return entrypoint(*args[rank])
     except Exception as exc:
-        write_error_file(exc)
+        if os.getpid() == rank_pid:
+            write_error_file(exc)
         raise
 
 

@@ -4,6 +4,7 @@ forked children, and timeouts of any size."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import pytest
@@ -70,6 +71,61 @@ def test_join_teardown_error_still_raises_the_failure_and_leaves_nothing_running
         with pytest.raises(fastspawn.ProcessExitedException, match=f"process {rank} .* SIGKILL"):
             ctx.join()
     assert ctx.join() is True
+
+
+# ------------------------------------------------------- forked children
+
+
+@pytest.mark.parametrize("outcome, child_status", [("raise", 1), ("return", 0)])
+@pytest.mark.parametrize("rank_exit", [0, 3])
+def test_forked_child_of_a_rank_cannot_report_for_it(
+    start_method, outcome, child_status, rank_exit, tmp_path
+):
+    ctx = start(
+        workers.fork_a_child_that,
+        (outcome, rank_exit, str(tmp_path)),
+        nprocs=1,
+        start_method=start_method,
+    )
+    if rank_exit:
+        # The rank's own exit status decides: not the child's exception.
+        with pytest.raises(
+            fastspawn.ProcessExitedException, match="^process 0 terminated with exit code 3$"
+        ):
+            while not ctx.join(timeout=120):
+                pass
+        assert ctx.return_values == {}  # not the child's value either
+    else:
+        while not ctx.join(timeout=120):
+            pass
+        assert ctx.return_values == {0: "the rank's value"}
+    # The child ended as a plain forked Python process does.
+    assert (tmp_path / "status").read_text() == str(child_status)
+    stderr = (tmp_path / "stderr").read_text()
+    if outcome == "raise":
+        assert stderr.startswith("Traceback (most recent call last):")
+        assert stderr.endswith("ValueError: raised in the rank's forked child\n")
+    else:
+        assert stderr == ""
+
+
+def test_forked_child_of_an_elastic_rank_writes_no_error_file(start_method, tmp_path):
+    logs, folder = tmp_path / "logs", tmp_path / "child"
+    logs.mkdir()
+    folder.mkdir()
+    ctx = elastic.start_processes(
+        "t",
+        workers.fork_a_child_that,
+        {0: (0, "raise", 0, str(folder))},
+        {0: {}},
+        str(logs),
+        start_method=start_method,
+    )
+    result = ctx.wait(timeout=120)
+    assert result is not None and not result.is_failed()
+    assert result.return_values == {0: "the rank's value"}
+    assert (folder / "status").read_text() == "1"
+    assert os.listdir(logs / "0") == []  # no error.json
 
 
 # ------------------------------------------------------------- timeouts

@@ -62,6 +62,26 @@ def raise_on_rank0_others_ignore_sigterm(rank: int, seconds: float) -> None:
     time.sleep(seconds)
 
 
+def fork_a_child_that(rank: int, outcome: str, rank_exit: int, folder: str) -> str:
+    """Fork a child that leaves this function by ``outcome`` ("raise" or
+    "return"), its stderr going to ``folder``/stderr; wait for it and write
+    its exit status to ``folder``/status.  Then end as the rank: return
+    "the rank's value", or exit with ``rank_exit`` when it is not 0."""
+    path = os.path.join(folder, "stderr")
+    pid = os.fork()
+    if pid == 0:  # the child, on its way out of fn as a rank would be
+        sys.stderr = open(path, "w")  # noqa: SIM115 - flushed at the child's exit
+        if outcome == "raise":
+            raise ValueError("raised in the rank's forked child")
+        return "the child's value"
+    _, status = os.waitpid(pid, 0)
+    with open(os.path.join(folder, "status"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+    if rank_exit:
+        sys.exit(rank_exit)
+    return "the rank's value"
+
+
 def no_args() -> None:  # called as fn(rank): TypeError in the child
     pass
 
