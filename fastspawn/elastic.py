@@ -147,7 +147,17 @@ class ProcessFailure:
         self.error_file_data = dict(_EMPTY_ERROR_DATA)
         self.message = ""
         self.timestamp = int(time.time())
-        if os.path.isfile(self.error_file):
+        if os.path.islink(self.error_file):
+            # Not the rank's (it never writes through a link): what it
+            # points to may be anything.
+            log.warning(
+                "rank %d: its error file %s is a symbolic link, which fastspawn does not "
+                "follow; reporting its exit code instead",
+                self.local_rank,
+                self.error_file,
+            )
+            self.error_file = _NOT_AVAILABLE
+        elif os.path.isfile(self.error_file):
             try:
                 self._read_error_file()
             except (OSError, ValueError, LookupError, TypeError) as exc:
@@ -177,7 +187,8 @@ class ProcessFailure:
                 )
 
     def _read_error_file(self) -> None:
-        with open(self.error_file) as f:
+        # O_NOFOLLOW: a link put there since the check above is not followed.
+        with open(os.open(self.error_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as f:
             data = json.load(f)
         message = data["message"]
         if isinstance(message, str):
@@ -251,12 +262,26 @@ def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
 
 def _open_log(path: str) -> int:
     """A new log file, 0600; never one that exists already (another rank's,
-    an earlier attempt's, or a link someone planted)."""
+    an earlier attempt's, or a link someone planted: O_EXCL does not follow
+    a link, O_NOFOLLOW says so again).
+
+    Raises:
+        FileExistsError: ``path`` exists, the message saying whether it is
+            a symbolic link.
+    """
     if path == os.devnull:
         return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        return os.open(path, flags, 0o600)
     except FileExistsError:
+        if os.path.islink(path):
+            raise FileExistsError(
+                errno.EEXIST,
+                "log file is a symbolic link, which fastspawn does not follow (someone "
+                "may have planted it in the log directory: remove it, or log elsewhere)",
+                path,
+            ) from None
         raise FileExistsError(
             errno.EEXIST,
             "log file exists already (fastspawn neither appends to nor overwrites a log: "

@@ -262,6 +262,13 @@ def elastic_raise(message: str) -> None:
     raise ValueError(message)
 
 
+def elastic_link_error_file_and_raise(target: str) -> None:
+    """Plant a symbolic link to ``target`` where this rank's error file goes
+    (as someone with access to the log directory could), then raise."""
+    os.symlink(target, os.environ["TORCHELASTIC_ERROR_FILE"])
+    raise ValueError("boom")
+
+
 def elastic_exit_zero() -> None:
     sys.exit(0)
 
