@@ -73,6 +73,28 @@ def test_join_teardown_error_still_raises_the_failure_and_leaves_nothing_running
     assert ctx.join() is True
 
 
+def test_join_interrupted_teardown_keeps_the_failure_for_the_next_join(start_method, monkeypatch):
+    def interrupted_wait(self, timeout):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_context.ProcessContext, "_wait_all", interrupted_wait)
+    ctx = start(workers.raise_on_rank0_others_ignore_sigterm, (600.0,), start_method=start_method)
+    with pytest.raises(KeyboardInterrupt):
+        while not ctx.join(grace_period=5):
+            pass
+    # Ctrl-C while the others stop: they are killed all the same, and the
+    # failure is not lost: the next join raises it.
+    assert [proc.exitcode for proc in ctx.processes] == [1, -signal.SIGKILL, -signal.SIGKILL]
+    with pytest.raises(
+        fastspawn.ProcessRaisedException, match="legitimate exception from process 0"
+    ):
+        ctx.join()
+    for rank in (1, 2):
+        with pytest.raises(fastspawn.ProcessExitedException, match=f"process {rank} .* SIGKILL"):
+            ctx.join()
+    assert ctx.join() is True
+
+
 # ------------------------------------------------------- forked children
 
 
