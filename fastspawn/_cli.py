@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run_parser(run)
+    run.set_defaults(command_parser=run)  # for the usage errors found after parsing
     bench = commands.add_parser(
         "bench", help="measure launch overhead on this machine", add_help=False
     )
@@ -214,8 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(Exception):
+    """Flags that cannot go together, found once the environment (Slurm) has
+    completed them: ``fastspawn run`` shows its usage and exits 2, as for
+    the errors argparse finds itself."""
+
+
 def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int, int, str, int]:
-    """(nnodes, node_rank, master_addr, master_port) from flags, then Slurm."""
+    """(nnodes, node_rank, master_addr, master_port) from flags, then Slurm.
+
+    Raises:
+        UsageError: the node rank is not below the number of nodes.
+    """
     nnodes = args.nnodes
     node_rank = args.node_rank
     addr = args.master_addr
@@ -243,7 +254,9 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
             except ValueError as exc:
                 raise SystemExit(f"fastspawn run: {exc}; give --master-addr") from None
     if node_rank >= nnodes:
-        raise SystemExit(f"fastspawn run: --node-rank {node_rank} is not below --nnodes {nnodes}")
+        rank_from = "SLURM_NODEID" if args.node_rank is None else "--node-rank"
+        nodes_from = "SLURM_NNODES" if args.nnodes is None and slurm else "--nnodes"
+        raise UsageError(f"{rank_from} {node_rank} is not below {nodes_from} {nnodes}")
     port = args.master_port
     if port is None:
         port = free_port() if nnodes == 1 else 29500
@@ -674,7 +687,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
-    return run(args)
+    try:
+        return run(args)
+    except UsageError as exc:
+        parser: argparse.ArgumentParser = args.command_parser
+        parser.error(str(exc))  # exits 2
 
 
 def console_main() -> None:

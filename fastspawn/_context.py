@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import operator
 import os
 import pickle
@@ -14,7 +15,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
-from typing import Any
+from typing import Any, NoReturn
 
 from fastspawn import _launch, _limits, _oscall, _zygote_client
 from fastspawn._channel import Receiver, channel_pair
@@ -26,7 +27,7 @@ from fastspawn._errors import (
 from fastspawn._methods import registry
 from fastspawn._methods.base import StartMethod
 from fastspawn._pickling import describe_unpicklable
-from fastspawn._process import Process, running_among, wait_readable
+from fastspawn._process import Process, checked_seconds, running_among, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,11 @@ class ProcessContext:
         """Wait for any worker to exit; on a failure, stop the rest and raise.
 
         Args:
-            timeout: seconds to wait (None: until some worker exits).
+            timeout: seconds to wait (None or ``inf``: until some worker exits).
             grace_period: after a failure, how long the others get to exit by
                 themselves before SIGTERM, and again before SIGKILL
-                (None: no wait before SIGTERM, 30 s before SIGKILL).
+                (None: no wait before SIGTERM, 30 s before SIGKILL; ``inf``:
+                as long as they take, never signalled).
 
         Returns:
             True once every worker exited successfully (and on every later
@@ -158,14 +160,22 @@ class ProcessContext:
 
         Raises:
             ProcessRaisedException: a worker raised; the message ends with its
-                traceback.
+                traceback.  Raised whatever goes wrong while the others are
+                stopped: they are then killed, and none is left running.
             ProcessExitedException: a worker exited non-zero or was killed.
+            TypeError, ValueError: ``timeout`` or ``grace_period`` is not a
+                number, or nan (before anything else happens).
         """
+        timeout = checked_seconds(timeout, "timeout")
+        grace_period = checked_seconds(grace_period, "grace_period")
+        if timeout == math.inf:
+            timeout = None
         # One join at a time: two threads joining at once would close the
         # waiter and the channel under each other.  The wait for the lock
         # counts against the timeout.
         started = time.monotonic()
-        if not self._join_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+        wait = -1 if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
+        if not self._join_lock.acquire(timeout=wait):
             return False
         try:
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
@@ -192,14 +202,54 @@ class ProcessContext:
                 return False
             self._finish()
             return True
+        self._fail(failed.rank, grace_period)
+
+    def _fail(self, rank: int, grace_period: float | None) -> NoReturn:
+        """Rank ``rank`` ended badly: stop the others, then raise for it.
+
+        Whatever goes wrong while they stop, none is left running and the
+        failure is not lost: an error is logged, every worker killed and
+        reaped, and the failure raised; an interruption (Ctrl-C) kills and
+        reaps them too and propagates, leaving the failure for the next
+        join to raise.
+        """
         self._failed = True
-        self._stop_all(grace_period)
-        self._unreported = [
+        self._unreported = [rank]  # until raised below
+        try:
+            self._stop_all(grace_period)
+        except Exception:
+            log.exception(
+                "fastspawn: stopping the other workers after rank %d failed went wrong; "
+                "killing them",
+                rank,
+            )
+            self._kill_all(rank)
+        except BaseException:
+            self._kill_all(rank)
+            self._unreported = [rank, *self._failed_besides(rank)]
+            raise
+        self._unreported = self._failed_besides(rank)
+        raise self._exception(rank)
+
+    def _kill_all(self, rank: int) -> None:
+        """A teardown's last resort: SIGKILL every worker still running,
+        reap them all, release every fd (an error on the way is logged:
+        the failure of ``rank`` is what the caller must see)."""
+        try:
+            self._end(signal.SIGKILL)
+        except Exception:
+            log.exception(
+                "fastspawn: could not kill and reap every worker after rank %d failed", rank
+            )
+
+    def _failed_besides(self, rank: int) -> list[int]:
+        """The ranks other than ``rank`` that ended badly, all reaped."""
+        errors = self._receiver.reports.errors
+        return [
             proc.rank
             for proc in self.processes
-            if proc.rank != failed.rank and (proc.rank in errors or proc.exitcode != 0)
+            if proc.rank != rank and (proc.rank in errors or proc.exitcode != 0)
         ]
-        raise self._exception(failed.rank)
 
     def _collect(self, timeout: float | None) -> list[Process]:
         """Wait up to ``timeout`` for ready pidfds (one epoll_wait: O(ready),
@@ -314,12 +364,12 @@ class ProcessContext:
 
     def _exception(self, rank: int) -> Exception:
         proc = self.processes[rank]
-        code = proc.exitcode
-        assert code is not None
         tb = self._receiver.reports.errors.get(rank)
         if tb is not None:
             msg = f"\n\n-- Process {rank:d} terminated with the following error:\n" + tb
             return ProcessRaisedException(msg, rank, proc.pid)
+        code = proc.exitcode
+        assert code is not None
         if code < 0:
             name = signal_name(-code)
             return ProcessExitedException(

@@ -3,6 +3,7 @@ its error file on failure, or an exec of a binary."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -17,10 +18,30 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 def write_error_file(exc: BaseException) -> None:
     """Write TorchElastic's error.json for ``exc`` where TORCHELASTIC_ERROR_FILE
-    says (nowhere when it is unset or empty).  The file is created 0600."""
+    says (nowhere when it is unset or empty).  The file is created 0600.
+
+    A symbolic link there is never followed (one planted in the log
+    directory would have the rank overwrite whatever it points to): the
+    file is then not written, and a line on stderr names it.  Nor is any
+    other failure to write it raised: the rank's own exception is what
+    must reach the launcher, and does, with its exit code.
+    """
     path = os.environ.get(ERROR_FILE_ENV, "")
     if not path:
         return
+    try:
+        _write_error_json(path, exc)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            why = "it is a symbolic link, which fastspawn does not follow"
+        else:
+            why = error.strerror or str(error)
+        print(f"fastspawn: cannot write the error file {path}: {why}", file=sys.stderr)
+
+
+def _write_error_json(path: str, exc: BaseException) -> None:
+    # No O_EXCL: a LogsSpecs may name the same error file for every attempt,
+    # and torch overwrites it too.  O_NOFOLLOW: never through a link.
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -30,7 +51,8 @@ def write_error_file(exc: BaseException) -> None:
             },
         }
     }
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
     with open(fd, "w") as f:
         json.dump(data, f)
 
@@ -39,11 +61,18 @@ def run_function(
     rank: int, entrypoint: Callable[..., Any], args: Mapping[int, Sequence[Any]]
 ) -> Any:
     """Call ``entrypoint(*args[rank])``; on an exception write the error file
-    first, then let the core report it."""
+    first, then let the core report it.
+
+    Only the rank writes it: a child the rank forked (``os.fork()`` in the
+    entrypoint) that raises out of it is not the rank, and the rank's own
+    exit status decides whether it failed (see ``_worker.run``).
+    """
+    rank_pid = os.getpid()
     try:
         return entrypoint(*args[rank])
     except Exception as exc:
-        write_error_file(exc)
+        if os.getpid() == rank_pid:
+            write_error_file(exc)
         raise
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import signal
 import threading
@@ -174,6 +175,26 @@ def require_pidfds() -> None:
     _pidfds_checked = True
 
 
+# The longest wait that epoll_wait(2) and poll(2) take: their timeout is a
+# C int of milliseconds (about 24.8 days).  A longer one (a grace period of
+# years, say) would not fit; the waits that take it loop to their deadline,
+# so it waits that long, then again.
+MAX_WAIT_MS = 2**31 - 1
+
+
+def wait_milliseconds(timeout: float | None) -> int:
+    """``timeout`` seconds as the timeout of epoll_wait(2) and poll(2): -1
+    (no limit) for None and inf, at most MAX_WAIT_MS, rounded up so that a
+    short timeout does not become a busy poll; 0 when not positive."""
+    if timeout is None or timeout == math.inf:
+        return -1
+    if timeout <= 0:
+        return 0  # -inf too
+    if timeout >= MAX_WAIT_MS / 1000:
+        return MAX_WAIT_MS
+    return math.ceil(timeout * 1000)
+
+
 class Waiter:
     """An epoll set over many fds, each with an integer token.
 
@@ -207,7 +228,8 @@ class Waiter:
         self._count -= 1
 
     def wait(self, timeout: float | None) -> list[int]:
-        """Tokens of the ready fds; [] when ``timeout`` (seconds) ran out.
+        """Tokens of the ready fds; [] when ``timeout`` (seconds, None or
+        inf: no limit) ran out.
 
         Raises:
             InterruptedError: a signal arrived; Python's handler has run.
@@ -215,12 +237,7 @@ class Waiter:
         want = max(self._count, 1)
         if len(self._buf) < want:
             self._buf = ffi.new("uint64_t[]", want)
-        if timeout is None:
-            ms = -1
-        else:
-            # Round up so that a short timeout does not become a busy poll.
-            ms = max(0, int(timeout * 1000 + 0.999))
-        n = lib.fs_waiter_wait(self._epfd, self._buf, want, ms)
+        n = lib.fs_waiter_wait(self._epfd, self._buf, want, wait_milliseconds(timeout))
         if n < 0:
             _raise_errno("epoll_wait")
         return [int(self._buf[i]) for i in range(n)]

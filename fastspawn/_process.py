@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
+import numbers
 import os
 import select
 import signal
@@ -16,17 +18,40 @@ from fastspawn._channel import Receiver
 log = logging.getLogger(__name__)
 
 
+def checked_seconds(value: object, name: str, none_allowed: bool = True) -> float | None:
+    """A timeout argument (``timeout``, ``grace_period``), checked where it
+    is given, before anything changes: None (where ``none_allowed``) stays
+    None, any real number becomes a float; ``inf`` means no limit, and every
+    wait takes it (and any huge value) as such.
+
+    Raises:
+        TypeError: not a number (a string, say), or None where not allowed.
+        ValueError: nan, which is neither a limit nor none.
+    """
+    if value is None and none_allowed:
+        return None
+    if not isinstance(value, numbers.Real):
+        none = " or None" if none_allowed else ""
+        raise TypeError(
+            f"{name} must be a number of seconds{none}, got {type(value).__name__} {value!r:.40}"
+        )
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError(f"{name} must be a number of seconds (inf for no limit), got nan")
+    return seconds
+
+
 def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
-    """The fds among ``fds`` that poll readable within ``timeout`` seconds.
+    """The fds among ``fds`` that poll readable within ``timeout`` seconds
+    (None or inf: no limit).
 
     poll(2), not select(2): pidfds of large jobs are numbered past 1024.
     """
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
-    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
     try:
-        return [fd for fd, _ in poller.poll(ms)]
+        return [fd for fd, _ in poller.poll(_oscall.wait_milliseconds(timeout))]
     except InterruptedError:
         return []
 
@@ -140,8 +165,16 @@ class Process:
         self.close()
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` seconds for the worker to exit, and reap it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait up to ``timeout`` seconds for the worker to exit, and reap it.
+
+        Args:
+            timeout: seconds; None or ``inf``: until it exits.
+
+        Raises:
+            TypeError, ValueError: ``timeout`` is not a number, or nan.
+        """
+        seconds = checked_seconds(timeout, "timeout")
+        deadline = None if seconds is None else time.monotonic() + seconds
         while True:
             self._poll(deadline)
             if self._exitcode is not None:

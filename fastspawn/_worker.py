@@ -121,9 +121,17 @@ def run(
     Returns (exit code, signal to die by or 0).  A KeyboardInterrupt (SIGINT)
     does not pass as success, as it does under torch: the worker dies by
     SIGINT after its finalizers ran, so the caller sees the signal.
+
+    Only the rank itself reports.  A child it forked (``os.fork()`` in
+    ``fn``) that comes back out of ``fn`` is not the rank: it reports
+    nothing (its exception would be blamed on the rank, its value taken for
+    the rank's) and ends as a plain forked Python process does, its
+    traceback on stderr and exit status 1 after an exception, 0 after a
+    return.  The rank's own exit status decides how the rank ended.
     """
     if channel is None:
         channel = channel_identity(tx)
+    rank_pid = os.getpid()
     signum = 0
     code = 0
     try:
@@ -135,8 +143,13 @@ def run(
         code = _exit_code(exc)
         value = None
     except BaseException:
-        _report(tx, channel, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
         code = 1
+        if os.getpid() != rank_pid:
+            print_exc()
+        else:
+            _report(tx, channel, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
+    if os.getpid() != rank_pid:
+        return code, signum
     if code == 0 and not signum:
         try:
             body = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)

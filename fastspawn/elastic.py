@@ -17,6 +17,7 @@ import enum
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ from fastspawn import _context, _launch, _limits
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException, signal_name
 from fastspawn._methods import registry
+from fastspawn._process import checked_seconds
 from fastspawn._tee import Tee
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,17 @@ class ProcessFailure:
         self.error_file_data = dict(_EMPTY_ERROR_DATA)
         self.message = ""
         self.timestamp = int(time.time())
-        if os.path.isfile(self.error_file):
+        if os.path.islink(self.error_file):
+            # Not the rank's (it never writes through a link): what it
+            # points to may be anything.
+            log.warning(
+                "rank %d: its error file %s is a symbolic link, which fastspawn does not "
+                "follow; reporting its exit code instead",
+                self.local_rank,
+                self.error_file,
+            )
+            self.error_file = _NOT_AVAILABLE
+        elif os.path.isfile(self.error_file):
             try:
                 self._read_error_file()
             except (OSError, ValueError, LookupError, TypeError) as exc:
@@ -175,7 +187,8 @@ class ProcessFailure:
                 )
 
     def _read_error_file(self) -> None:
-        with open(self.error_file) as f:
+        # O_NOFOLLOW: a link put there since the check above is not followed.
+        with open(os.open(self.error_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as f:
             data = json.load(f)
         message = data["message"]
         if isinstance(message, str):
@@ -249,12 +262,26 @@ def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
 
 def _open_log(path: str) -> int:
     """A new log file, 0600; never one that exists already (another rank's,
-    an earlier attempt's, or a link someone planted)."""
+    an earlier attempt's, or a link someone planted: O_EXCL does not follow
+    a link, O_NOFOLLOW says so again).
+
+    Raises:
+        FileExistsError: ``path`` exists, the message saying whether it is
+            a symbolic link.
+    """
     if path == os.devnull:
         return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        return os.open(path, flags, 0o600)
     except FileExistsError:
+        if os.path.islink(path):
+            raise FileExistsError(
+                errno.EEXIST,
+                "log file is a symbolic link, which fastspawn does not follow (someone "
+                "may have planted it in the log directory: remove it, or log elsewhere)",
+                path,
+            ) from None
         raise FileExistsError(
             errno.EEXIST,
             "log file exists already (fastspawn neither appends to nor overwrites a log: "
@@ -630,17 +657,23 @@ class PContext:
         """Wait for all ranks to succeed or any to fail.
 
         Args:
-            timeout: seconds; 0 polls once, a negative value waits for ever.
+            timeout: seconds; 0 polls once, a negative value (or ``inf``)
+                waits for ever.
             period: accepted for compatibility; fastspawn waits on events
                 rather than polling, so it is not used.
 
         Returns:
             The result, or None if ``timeout`` ran out first.  After a
             failure the other ranks have been stopped.
+
+        Raises:
+            TypeError, ValueError: ``timeout`` is not a number, or nan.
         """
-        if timeout == 0:
+        seconds = checked_seconds(timeout, "timeout", none_allowed=False)
+        assert seconds is not None
+        if seconds == 0:
             return self._poll(0)
-        deadline = None if timeout < 0 else time.monotonic() + timeout
+        deadline = None if seconds < 0 or seconds == math.inf else time.monotonic() + seconds
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -659,13 +692,19 @@ class PContext:
         A later ``wait`` reports the ranks that did not end with exit code 0
         as failures (``exitcode`` minus the signal for a killed rank), unless
         it had returned a result before the close.
+
+        Raises:
+            TypeError, ValueError: ``timeout`` is not a number, or nan
+                (``inf``: no SIGKILL, however long the ranks take).
         """
+        limit = checked_seconds(timeout, "timeout", none_allowed=False)
+        assert limit is not None
         if self._ctx is None:
             return
         _forget_context(self)
         sig = signal.SIGTERM if death_sig is None else death_sig
         procs = [p for p in self._ctx.processes if p._exitcode is None]
-        self._stop_ranks(procs, sig, timeout)
+        self._stop_ranks(procs, sig, limit)
         self._drain_join_reports()
         self._tee.join(idle_timeout=5.0)
         if self._result is None:

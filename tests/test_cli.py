@@ -166,6 +166,18 @@ def test_bad_flags_are_clear():
     assert done.returncode != 0 and "is not below --nnodes" in done.stderr
 
 
+def test_node_rank_out_of_range_is_a_usage_error():
+    done = fastspawn_run("--nprocs-per-node", "1", "--node-rank", "5", "--nnodes", "2", "x")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("usage: fastspawn run")
+    assert done.stderr.endswith("fastspawn run: error: --node-rank 5 is not below --nnodes 2\n")
+    # From a Slurm step's variables, it says which ones.
+    args = argparse.Namespace(nnodes=None, node_rank=None, master_addr="a", master_port=1)
+    env = {"SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "3"}
+    with pytest.raises(_cli.UsageError, match="^SLURM_NODEID 3 is not below SLURM_NNODES 2$"):
+        _cli.topology(args, env)
+
+
 def test_restarts(tmp_path):
     prog = script(
         tmp_path,

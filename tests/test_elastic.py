@@ -156,6 +156,31 @@ def test_function_failure_writes_error_json(tmp_path):
     assert stat.S_IMODE(os.stat(failure.error_file).st_mode) == 0o600
 
 
+def test_error_file_symlink_is_not_followed(tmp_path, caplog):
+    victim = tmp_path / "victim.json"
+    planted = '{"message": {"message": "planted", "extraInfo": {"timestamp": "1"}}}'
+    victim.write_text(planted)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ctx = start(
+        workers.elastic_link_error_file_and_raise,
+        {0: (str(victim),)},
+        logs,
+        redirects=Std.ERR,
+    )
+    failure = ctx.wait(timeout=60).failures[0]
+    # The rank's failure still comes through, by its exit code; the file
+    # the link points to is neither written by the rank nor read here.
+    assert victim.read_text() == planted
+    assert failure.exitcode == 1
+    assert failure.error_file == "<N/A>"
+    assert "planted" not in failure.message
+    error_file = str(logs / "0" / "error.json")
+    assert f"{error_file} is a symbolic link" in caplog.text
+    stderr = (logs / "0" / "stderr.log").read_text()
+    assert f"cannot write the error file {error_file}: it is a symbolic link" in stderr
+
+
 # ------------------------------------------------------------ logs_specs
 
 
@@ -255,6 +280,18 @@ def test_custom_logs_specs(tmp_path):
             "t", workers.elastic_env, {0: ()}, empty(1), _OneFileSpecs(other, tee_from="/x")
         )
     assert list(other.iterdir()) == []
+
+
+def test_log_file_symlink_is_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "out0").symlink_to(victim)
+    with pytest.raises(FileExistsError, match="log file is a symbolic link.*out0"):
+        elastic.start_processes("t", workers.elastic_env, {0: ()}, empty(1), _OneFileSpecs(logs))
+    assert victim.read_text() == "keep"
+    assert os.listdir(logs) == ["out0"]
 
 
 def test_log_dir_and_logs_specs_arguments(tmp_path):

@@ -53,6 +53,35 @@ def return_or_raise(rank: int) -> None:
     raise ValueError("legitimate exception")
 
 
+def raise_on_rank0_others_ignore_sigterm(rank: int, seconds: float) -> None:
+    """Rank 0 raises at once; the others ignore SIGTERM and return after
+    ``seconds``."""
+    if rank == 0:
+        raise ValueError("legitimate exception from process 0")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)
+
+
+def fork_a_child_that(rank: int, outcome: str, rank_exit: int, folder: str) -> str:
+    """Fork a child that leaves this function by ``outcome`` ("raise" or
+    "return"), its stderr going to ``folder``/stderr; wait for it and write
+    its exit status to ``folder``/status.  Then end as the rank: return
+    "the rank's value", or exit with ``rank_exit`` when it is not 0."""
+    path = os.path.join(folder, "stderr")
+    pid = os.fork()
+    if pid == 0:  # the child, on its way out of fn as a rank would be
+        sys.stderr = open(path, "w")  # noqa: SIM115 - flushed at the child's exit
+        if outcome == "raise":
+            raise ValueError("raised in the rank's forked child")
+        return "the child's value"
+    _, status = os.waitpid(pid, 0)
+    with open(os.path.join(folder, "status"), "w") as f:
+        f.write(str(os.waitstatus_to_exitcode(status)))
+    if rank_exit:
+        sys.exit(rank_exit)
+    return "the rank's value"
+
+
 def no_args() -> None:  # called as fn(rank): TypeError in the child
     pass
 
@@ -231,6 +260,13 @@ def elastic_add(a: int, b: int) -> int:
 
 def elastic_raise(message: str) -> None:
     raise ValueError(message)
+
+
+def elastic_link_error_file_and_raise(target: str) -> None:
+    """Plant a symbolic link to ``target`` where this rank's error file goes
+    (as someone with access to the log directory could), then raise."""
+    os.symlink(target, os.environ["TORCHELASTIC_ERROR_FILE"])
+    raise ValueError("boom")
 
 
 def elastic_exit_zero() -> None:
