@@ -115,7 +115,7 @@ class Plan:
         random.Random(f"{seed}/cycle{cycle}").shuffle(order)
         method, target = order[position]
         rng = random.Random(f"{seed}/{index}")
-        nprocs = rng.randint(2, 4 if method == "spawn" else 6)
+        nprocs = rng.randint(2, 4 if method == "spawn" else 8)
         failing = rng.randrange(nprocs) if rng.random() < 0.35 else -1
         fate = rng.choice(["raise", "raise", "exit"])
         victim = rng.randrange(nprocs)
