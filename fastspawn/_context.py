@@ -325,7 +325,10 @@ class ProcessContext:
             log.warning("Terminating process %s via signal SIGTERM", proc.pid)
         self._wait_all(30 if grace_period is None else grace_period)
         live = running_among(self._pending.values())
-        self._signal_all(live, signal.SIGKILL)
+        # The whole group, even with no rank left running: what the failed
+        # launch's ranks left in it (a child of the rank that failed last,
+        # or one that outlived its SIGTERM) goes too, whatever the timing.
+        self._signal_all(live, signal.SIGKILL, whole_group=True)
         for proc in live:
             log.warning(
                 "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL",
@@ -343,12 +346,19 @@ class ProcessContext:
         self._pending.clear()
         self._finish()
 
-    def _signal_all(self, procs: list[Process], sig: int) -> None:
+    def _signal_all(self, procs: list[Process], sig: int, whole_group: bool = False) -> None:
         """Signal ``procs``: with one killpg when the launch has its own process
         group (a signal loop over hundreds of workers runs interleaved with
         the kernel tearing down each victim), else one by one.  The group id
-        is safe to use while ``procs`` (members, still running) exist."""
-        if self._group and procs:
+        is safe to use while ``procs`` (members, still running) exist.
+
+        ``whole_group``: signal the group even with no ``procs``, to reach
+        what the ranks left in it.  The id is still the group's while any
+        member lives (what this is for); with none left, the kill finds
+        nothing, unless the pid counter wrapped round to that id in the
+        moments since the last rank was reaped: the bound the warden and the
+        zygote's watcher rely on too."""
+        if self._group and (procs or whole_group):
             try:
                 os.killpg(self._group, sig)
             except (ProcessLookupError, PermissionError):

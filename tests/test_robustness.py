@@ -137,6 +137,29 @@ def test_fork_worker_does_not_hold_the_zygote_control_socket():
     assert control not in ctx.return_values[0]
 
 
+@pytest.mark.parametrize("how", ["raise", "sigkill"])
+def test_failed_launch_leaves_nothing_in_its_group(tmp_path, start_method, how):
+    # The last rank running starts a child, then fails.  With "fork" and
+    # "spawn" that child (in the launch's process group) was killed only if
+    # some other rank still ran when the failure was seen (the group's
+    # SIGTERM reached it then); here none did, and it ran on, reparented to
+    # init, once the join had raised.  (Found by test_chaos.py.)
+    with pytest.raises(fastspawn.ProcessException, match="rank 1 fails last|SIGKILL"):
+        fastspawn.start_processes(
+            workers.fail_last_leaving_a_child,
+            (str(tmp_path), how),
+            nprocs=2,
+            start_method=start_method,
+        )
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 10
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not gone(child):
+        os.kill(child, signal.SIGKILL)  # reparented to init: the leak check cannot see it
+        pytest.fail(f"the failed rank's child {child} outlived the launch")
+
+
 @pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn", "forkserver"])
 def test_worker_that_left_the_group_is_still_stopped(start_method):
     ctx = fastspawn.start_processes(

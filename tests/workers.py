@@ -185,6 +185,36 @@ def start_sleeper_child(rank: int, queue: Any, daemon: bool = False) -> None:
     time.sleep(600)
 
 
+def fail_last_leaving_a_child(rank: int, folder: str, how: str) -> None:
+    """Rank 0 returns at once.  Rank 1 starts a child (in the launch's
+    process group), writes its pid to ``folder``/child, waits until rank 0
+    is reaped (so it is the last rank running), then fails: ``how`` is
+    "raise" or "sigkill" (it kills itself)."""
+    import subprocess
+
+    if rank == 0:
+        with open(os.path.join(folder, "rank0"), "w") as f:
+            f.write(str(os.getpid()))
+        return
+    child = subprocess.Popen(["sleep", "600"]).pid
+    with open(os.path.join(folder, "child.part"), "w") as f:
+        f.write(str(child))
+    os.replace(os.path.join(folder, "child.part"), os.path.join(folder, "child"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(os.path.join(folder, "rank0")) as f:
+                os.kill(int(f.read()), 0)
+        except (FileNotFoundError, ValueError):
+            pass  # not written yet
+        except ProcessLookupError:
+            break  # reaped
+        time.sleep(0.01)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError("rank 1 fails last")
+
+
 def start_daemon_and_sleep(rank: int, folder: str) -> None:
     """Start a child in a session of its own (a daemon), write our pid and
     its pid to ``folder``/``rank``, sleep."""
