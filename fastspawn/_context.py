@@ -603,7 +603,7 @@ def start_processes(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = DEFAULT_START_METHOD,
+    start_method: str | None = DEFAULT_START_METHOD,
     *,
     envs: Mapping[int, Mapping[str, str]] | None = None,
     preload: Sequence[str] | None = None,
@@ -621,7 +621,9 @@ def start_processes(
             terminated rather than waited for.
         start_method: ``"zygote"`` (default: spawn-safe workers forked from
             a clean fastspawn process), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"`` (served by the zygote).
+            ``"forkserver"`` (served by the zygote); ``None``, as in torch,
+            the method multiprocessing uses by default (``"fork"`` on Linux
+            before Python 3.14).
         envs: ``{rank: {VAR: value}}`` set in that rank before ``fn`` runs.
         preload: modules the zygote imports before forking this launch
             (zygote and forkserver only; see also :func:`fastspawn.preload`).
@@ -653,7 +655,7 @@ def start_processes(
     checked_envs = _check_envs(envs, nprocs)
     preload_list = _check_preload(preload, method)
     if method.pickles_arguments:
-        problem = describe_unpicklable(fn, args, start_method)
+        problem = describe_unpicklable(fn, args, method.name)
         if problem is not None:
             raise pickle.PicklingError(problem)
     if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
@@ -685,15 +687,17 @@ def spawn(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = DEFAULT_START_METHOD,
+    start_method: str | None = DEFAULT_START_METHOD,
     **kwargs: Any,
 ) -> ProcessContext:
     """Like :func:`start_processes`, always with a spawn-safe start method.
 
-    ``"zygote"`` (the default) and ``"spawn"`` are taken as they are; any
-    other ``start_method`` warns (FutureWarning, as torch does) and the zygote
-    is used.
+    ``"zygote"`` (the default, also what ``None`` means) and ``"spawn"``
+    are taken as they are; any other ``start_method`` warns (FutureWarning,
+    as torch does) and the zygote is used.
     """
+    if start_method is None:
+        start_method = registry.DEFAULT
     if start_method not in [m.name for m in registry.methods() if m.spawn_accepts]:
         msg = (
             f"This method only supports start_method=spawn (got: {start_method}).\n"

@@ -747,7 +747,7 @@ def start_processes(
     args: Mapping[int, Sequence[Any]],
     envs: Mapping[int, Mapping[str, str]],
     log_dir: str | os.PathLike[str] | LogsSpecs | None = None,
-    start_method: str = registry.DEFAULT,
+    start_method: str | None = registry.DEFAULT,
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
     log_line_prefixes: Mapping[int, str] | None = None,
@@ -769,8 +769,10 @@ def start_processes(
             files); each rank gets ``{rank}/stdout.log`` and ``stderr.log``
             there for the streams redirected or tee'd, and ``error.json``
             if a function rank fails, created 0600.
-        start_method: for function ranks; binaries always start from the
-            zygote, which adopts and kills what their children leave.
+        start_method: for function ranks (``None``, as in torch: the
+            method multiprocessing uses by default); binaries always start
+            from the zygote, which adopts and kills what their children
+            leave.
         redirects: streams written to the rank's log file.
         tee: streams written to the log file and shown on the console.
         log_line_prefixes: per rank prefix in place of ``[{name}{rank}]:``.
@@ -794,7 +796,8 @@ def start_processes(
         ValueError: an unknown ``start_method`` (the message lists the valid
             ones).
     """
-    registry.get(start_method)  # before anything is made: an unknown one names the valid ones
+    # Before anything is made: an unknown one names the valid ones.
+    start_method = registry.get(start_method).name
     directory, logs_specs = _checked_log_args(log_dir, logs_specs, redirects, tee)
     nprocs = len(args)
     _validate_full_rank(args, nprocs, "args")

@@ -75,3 +75,15 @@ def test_omp_num_threads_of_a_rank_sizes_torchs_pool():
     envs = {0: {"OMP_NUM_THREADS": "1"}, 1: {"OMP_NUM_THREADS": "2"}}
     ctx = fastspawn.start_processes(workers.torch_threads, nprocs=2, envs=envs, preload=["torch"])
     assert ctx.return_values == {0: ("1", 1), 1: ("2", 2)}
+
+
+def test_patched_start_processes_takes_start_method_none(patched, monkeypatch):
+    # torch's ParallelForkServerShouldWorkTest: no start_method, a queue
+    # from the default context, the parallel start knob set.
+    monkeypatch.setenv(torch_mp.ENV_VAR_PARALLEL_START, "1")
+    queue = torch_mp.get_context(None).SimpleQueue()
+    try:
+        torch_mp.start_processes(workers.put_rank, args=(queue,), nprocs=2, start_method=None)
+        assert sorted([queue.get(), queue.get()]) == [0, 1]
+    finally:
+        queue.close()

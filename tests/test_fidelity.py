@@ -1,0 +1,152 @@
+"""Drop-in fidelity, judged by torch's own test suites: what
+``test/test_multiprocessing_spawn.py`` and
+``test/distributed/elastic/multiprocessing/api_test.py`` (torch 2.13) check
+where fastspawn used to differ, as our own tests, one section per gap.
+None of them needs torch (test_torch.py runs torch's names through
+``patch_torch``)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import warnings
+
+import pytest
+import workers
+
+import fastspawn
+from fastspawn import elastic
+from fastspawn._methods import registry
+
+# ----------------------------------------------- 1. start_method=None
+# torch hands None to multiprocessing.get_context(), which gives the
+# platform's default; its ParallelForkServerShouldWorkTest never sets a
+# method and relies on that (with a queue from get_context(None) too).
+# fastspawn takes None as multiprocessing's default method, in spawn() as
+# its own default.
+
+
+@pytest.fixture
+def parallel_start(monkeypatch):
+    # What ParallelForkServerShouldWorkTest sets around each test.
+    monkeypatch.setenv(fastspawn.ENV_VAR_PARALLEL_START, "1")
+
+
+def start_none(fn, args=(), nprocs=2, **kwargs):
+    return fastspawn.start_processes(fn, args, nprocs=nprocs, start_method=None, **kwargs)
+
+
+def test_start_method_none_success(parallel_start):
+    assert start_none(workers.succeed).return_values == {0: 0, 1: 1}
+
+
+def test_start_method_none_success_non_blocking(parallel_start):
+    ctx = start_none(workers.succeed, join=False)
+    ctx.join(timeout=None)
+    ctx.join(timeout=None)
+    assert ctx.join(timeout=None) is True
+
+
+def test_start_method_none_first_argument_index(parallel_start):
+    queue = multiprocessing.get_context(None).SimpleQueue()
+    try:
+        start_none(workers.put_rank, (queue,))
+        assert sorted([queue.get(), queue.get()]) == [0, 1]
+    finally:
+        queue.close()
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_start_method_none_exception_single(parallel_start, bad_rank):
+    with pytest.raises(
+        fastspawn.ProcessRaisedException,
+        match=f"\nValueError: legitimate exception from process {bad_rank}\n?$",
+    ):
+        start_none(workers.raise_on, (bad_rank,))
+
+
+def test_start_method_none_exception_all(parallel_start):
+    with pytest.raises(
+        fastspawn.ProcessRaisedException,
+        match="\nValueError: legitimate exception from process (0|1)\n?$",
+    ):
+        start_none(workers.raise_after_random_sleep)
+
+
+def test_start_method_none_terminate_signal(parallel_start):
+    with pytest.raises(
+        fastspawn.ProcessExitedException, match="process 0 terminated with signal (SIGABRT|SIGIOT)"
+    ):
+        start_none(workers.abort_rank0)
+
+
+@pytest.mark.parametrize("grace_period", [None, 20])
+def test_start_method_none_terminate_exit(parallel_start, caplog, grace_period):
+    caplog.set_level(logging.WARNING)
+    ctx = start_none(workers.exit_rank0, (123, 4.0), join=False)
+    pid1 = ctx.processes[1].pid
+    with pytest.raises(
+        fastspawn.ProcessExitedException, match="process 0 terminated with exit code 123"
+    ):
+        while not ctx.join(grace_period=grace_period):
+            pass
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if grace_period is None:
+        assert f"Terminating process {pid1} via signal" in warned[0]
+    else:
+        assert warned == []  # rank 1 ended its sleep by itself
+    assert not any(p.is_alive() for p in ctx.processes)
+
+
+def test_start_method_none_success_first_then_exception(parallel_start):
+    with pytest.raises(fastspawn.ProcessRaisedException, match="ValueError: legitimate exception"):
+        start_none(workers.return_or_raise)
+
+
+@pytest.fixture(params=multiprocessing.get_all_start_methods())
+def multiprocessing_default(request):
+    """multiprocessing's default start method set to each it offers."""
+    saved = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(request.param, force=True)
+    yield request.param
+    multiprocessing.set_start_method(saved, force=True)
+
+
+def test_start_method_none_is_multiprocessings_default(multiprocessing_default):
+    # As in torch: objects made from get_context(None) (a fork context's
+    # SimpleQueue, whose semaphore only a fork of this process can use)
+    # work in the workers, whatever the default is.
+    assert registry.get(None).name == multiprocessing_default
+    queue = multiprocessing.get_context(None).SimpleQueue()
+    try:
+        start_none(workers.put_rank, (queue,))
+        assert sorted([queue.get(), queue.get()]) == [0, 1]
+    finally:
+        queue.close()
+
+
+def test_start_method_none_without_a_namesake_is_fastspawns_default(monkeypatch):
+    monkeypatch.setattr(registry, "multiprocessing_default", lambda: "threads")
+    assert registry.get(None).name == registry.DEFAULT
+
+
+def test_spawn_start_method_none_is_the_default_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctx = fastspawn.spawn(workers.pid_and_ppid, nprocs=2, start_method=None)
+    zygote = fastspawn._zygote_client.zygote_pid()
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == {zygote}
+
+
+def test_elastic_start_method_none_is_the_default(tmp_path):
+    ctx = elastic.start_processes(
+        "t", workers.elastic_add, {0: (1, 2)}, {0: {}}, str(tmp_path), start_method=None
+    )
+    result = ctx.wait(timeout=60)
+    assert result is not None and result.return_values == {0: 3}
+    assert ctx.start_method == registry.multiprocessing_default()
+
+
+def test_unknown_start_method_still_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown start_method 'threads'; choose one of"):
+        fastspawn.start_processes(workers.succeed, start_method="threads")
