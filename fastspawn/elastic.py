@@ -26,11 +26,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, BinaryIO
 
 from fastspawn import _context, _launch
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
-from fastspawn._errors import ProcessException, signal_name
+from fastspawn._errors import ProcessException
 from fastspawn._methods import registry
 from fastspawn._tee import Tee
 
@@ -51,6 +52,13 @@ __all__ = [
 
 _NOT_AVAILABLE = "<N/A>"
 _EMPTY_ERROR_DATA = {"message": "<NONE>"}
+# torch's ProcessFailure.message for a rank that exited (not signalled)
+# without an error file; users and tests match it byte for byte.
+_NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
+# ... and what torch adds to its error_file_data then.
+_NO_ERROR_FILE_TRAITS = {"category": "system_terminated_error", "retryability": "False"}
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 # The contexts started and not yet closed, and for each one that was live
@@ -169,10 +177,10 @@ class ProcessFailure:
                     f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
                 )
             else:
-                self.message = (
-                    f"{_EMPTY_ERROR_DATA['message']}: rank {self.local_rank} exited with code "
-                    f"{self.exitcode} and wrote no error file"
-                )
+                # torch's words: sys.exit(), os._exit() or a binary that
+                # records nothing; exitcode says the rest.
+                self.error_file_data["errorTraits"] = dict(_NO_ERROR_FILE_TRAITS)
+                self.message = _NO_ERROR_FILE_MESSAGE
 
     def _read_error_file(self) -> None:
         with open(self.error_file) as f:
@@ -186,8 +194,20 @@ class ProcessFailure:
             self.timestamp = int(message["extraInfo"]["timestamp"])
         self.error_file_data = data
 
+    def timestamp_isoformat(self) -> str:
+        """``timestamp`` as local time, ``YYYY-MM-DD_HH:MM:SS`` (what torch's
+        ``ChildFailedError`` shows)."""
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
     def signal_name(self) -> str:
-        return signal_name(-self.exitcode) if self.exitcode < 0 else _NOT_AVAILABLE
+        """``SIGSEGV`` for a rank killed by signal 11; ``<N/A>`` for one
+        that exited, or died by a signal without a name (as in torch)."""
+        if self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                pass
+        return _NOT_AVAILABLE
 
 
 @dataclass

@@ -19,6 +19,10 @@ from fastspawn import elastic
 from fastspawn.elastic import Std
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+# torch's ProcessFailure.message for a rank that exited without an error file.
+NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
 
 
 def empty(n: int) -> dict[int, dict[str, str]]:
@@ -320,8 +324,8 @@ def test_binary_exit_138(tmp_path):
     failure = result.failures[0]
     assert failure.exitcode == 138
     assert failure.error_file == "<N/A>"
-    assert failure.error_file_data == {"message": "<NONE>"}
-    assert failure.message.startswith("<NONE>")
+    assert failure.error_file_data["message"] == "<NONE>"
+    assert failure.message == NO_ERROR_FILE_MESSAGE
     assert failure.signal_name() == "<N/A>"
 
 
@@ -334,8 +338,8 @@ def test_unreadable_error_file_falls_back_to_the_exit_code(tmp_path, content, ca
     result = ctx.wait(timeout=60)
     failure = result.failures[0]
     assert failure.exitcode == 3
-    assert failure.error_file_data == {"message": "<NONE>"}
-    assert failure.message.startswith("<NONE>")
+    assert failure.error_file_data["message"] == "<NONE>"
+    assert failure.message == NO_ERROR_FILE_MESSAGE
     assert "could not be read" in caplog.text
 
 

@@ -7,16 +7,22 @@ None of them needs torch (test_torch.py runs torch's names through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import sys
+import time
 import warnings
+from datetime import datetime
 
 import pytest
 import workers
+from helpers import gone
 
 import fastspawn
 from fastspawn import elastic
 from fastspawn._methods import registry
+from fastspawn.elastic import Std
 
 # ----------------------------------------------- 1. start_method=None
 # torch hands None to multiprocessing.get_context(), which gives the
@@ -150,3 +156,101 @@ def test_elastic_start_method_none_is_the_default(tmp_path):
 def test_unknown_start_method_still_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown start_method 'threads'; choose one of"):
         fastspawn.start_processes(workers.succeed, start_method="threads")
+
+
+# ------------------------- 2. a function rank that exits: torch's message
+# torch's test_function_exit: rank 0 calls sys.exit(138) (or os._exit) and
+# writes no error file; ProcessFailure.message is torch's fixed sentence.
+
+NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
+RANK_ENVS = {0: {"RANK": "0"}, 1: {"RANK": "1"}}
+
+
+def assert_in_file(lines, path):
+    with open(path) as f:
+        found = f.readlines()
+    for line in lines:
+        assert f"{line.rstrip()}\n" in found
+
+
+@contextlib.contextmanager
+def real_stdio():
+    """sys.stdout and sys.stderr on fds 1 and 2, as in a program, while
+    ranks start.  pytest's capture puts objects that write elsewhere there
+    (again before each test's call, so a fixture cannot undo it); a "fork"
+    rank inherits them, and its prints would miss the log files its fds 1
+    and 2 go to (as under torch)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def test_function_exit_message(tmp_path, start_method):
+    fail = 138
+    with real_stdio():
+        pc = elastic.start_processes(
+            name="echo",
+            entrypoint=workers.echo_rank_or_exit,
+            args={0: ("hello", fail), 1: ("hello",)},
+            envs=RANK_ENVS,
+            logs_specs=elastic.DefaultLogsSpecs(log_dir=str(tmp_path), redirects={0: Std.ERR}),
+            start_method=start_method,
+        )
+    results = pc.wait(timeout=60)
+    assert results is not None and results.is_failed()
+    assert all(gone(pid) for pid in pc.pids().values())
+    assert len(results.failures) == 1
+    assert not results.return_values
+    failure = results.failures[0]
+    assert failure.exitcode == fail
+    assert failure.signal_name() == "<N/A>"
+    assert failure.pid == pc.pids()[0]
+    assert failure.error_file == "<N/A>"
+    assert failure.message == NO_ERROR_FILE_MESSAGE
+    assert failure.error_file_data["message"] == "<NONE>"
+    assert failure.timestamp <= int(time.time())
+    assert_in_file([f"exit {fail} from 0"], results.stderrs[0])
+    assert not results.stdouts[0]
+    assert not results.stderrs[1]
+    assert not results.stdouts[1]
+
+
+def test_function_os_exit_message(tmp_path, start_method):
+    pc = elastic.start_processes(
+        "t", workers.elastic_os_exit, {0: (7,)}, {0: {}}, str(tmp_path), start_method=start_method
+    )
+    results = pc.wait(timeout=60)
+    failure = results.failures[0]
+    assert (failure.exitcode, failure.error_file) == (7, "<N/A>")
+    assert failure.message == NO_ERROR_FILE_MESSAGE
+
+
+def test_exit_without_error_file_data_has_torchs_error_traits():
+    failure = elastic.ProcessFailure(local_rank=0, pid=998, exitcode=138, error_file="none.json")
+    assert failure.error_file_data == {
+        "message": "<NONE>",
+        "errorTraits": {"category": "system_terminated_error", "retryability": "False"},
+    }
+    # ... on this failure only: another one starts from torch's empty data.
+    signalled = elastic.ProcessFailure(local_rank=0, pid=998, exitcode=-9, error_file="none.json")
+    assert signalled.error_file_data == {"message": "<NONE>"}
+
+
+def test_signal_failure_messages():
+    # torch's test_multiprocessing_context_poll_raises_exception: exit code -1.
+    failure = elastic.ProcessFailure(local_rank=0, pid=123, exitcode=-1, error_file="none.json")
+    assert failure.message == "Signal 1 (SIGHUP) received by PID 123"
+    unnamed = elastic.ProcessFailure(local_rank=0, pid=123, exitcode=-40, error_file="none.json")
+    assert unnamed.signal_name() == "<N/A>"
+    assert unnamed.message == "Signal 40 (<N/A>) received by PID 123"
+
+
+def test_timestamp_isoformat():
+    failure = elastic.ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="none.json")
+    failure.timestamp = 0
+    assert failure.timestamp_isoformat() == datetime.fromtimestamp(0).isoformat(sep="_")

@@ -501,3 +501,28 @@ def module_attribute(rank: int, module: str, name: str) -> str:
     its .name when it has one (a TemporaryDirectory's path)."""
     value = getattr(sys.modules[module], name)
     return str(getattr(value, "name", value))
+
+
+def echo_rank_or_exit(message: str, exitcode: int = 0) -> str:
+    """torch's elastic test function ``echo1``: print ``message`` (each
+    comma-separated part) on stdout and stderr and return it tagged with the
+    ``RANK`` variable, or say so on stderr and ``sys.exit(exitcode)``."""
+    rank = int(os.environ["RANK"])
+    if exitcode:
+        print(f"exit {exitcode} from {rank}", file=sys.stderr)
+        sys.exit(exitcode)
+    for part in message.split(","):
+        print(f"{part} stdout from {rank}")
+        print(f"{part} stderr from {rank}", file=sys.stderr)
+    return f"{message}_{rank}"
+
+
+def elastic_os_exit(code: int) -> None:
+    os._exit(code)
+
+
+def elastic_exit_or_sleep(code: int, seconds: float) -> None:
+    """Exit with ``code`` at once, or (``code`` 0) sleep ``seconds``."""
+    if code:
+        sys.exit(code)
+    time.sleep(seconds)
