@@ -595,18 +595,11 @@ class PContext:
         try:
             done = self._ctx.join(timeout=timeout)
         except ProcessException as exc:
-            rank = exc.error_index
-            code = self._ctx.processes[rank].exitcode
-            failure = ProcessFailure(
-                local_rank=rank,
-                pid=exc.error_pid,
-                exitcode=code if code is not None else 1,
-                error_file=self.error_files[rank],
-            )
+            # The other ranks are stopped and every rank is reaped.
             self._tee.join(idle_timeout=5.0)
-            _forget_context(self)  # every rank is reaped
+            _forget_context(self)
             self._result = RunProcsResult(
-                failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
+                failures=self._failures(exc), stdouts=self.stdouts, stderrs=self.stderrs
             )
             return self._result
         if not done:
@@ -615,6 +608,28 @@ class PContext:
         _forget_context(self)
         self._result = self._success()
         return self._result
+
+    def _failures(self, exc: ProcessException) -> dict[int, ProcessFailure]:
+        """The failures to report once ``exc`` (the first rank to fail) ended
+        the run, as torch reports them: that rank alone for function ranks;
+        for binaries also every other rank that did not end with exit code
+        0 (stopped by the SIGTERM that followed the failure, most often:
+        exit code -15)."""
+        assert self._ctx is not None
+        first = self._ctx.processes[exc.error_index]
+        ranks = [first]
+        if isinstance(self.entrypoint, str):
+            ranks += [p for p in self._ctx.processes if p is not first and p.exitcode != 0]
+        failures = {}
+        for proc in ranks:
+            code = proc.exitcode
+            failures[proc.rank] = ProcessFailure(
+                local_rank=proc.rank,
+                pid=proc.pid,
+                exitcode=code if code is not None else 1,
+                error_file=self.error_files[proc.rank],
+            )
+        return failures
 
     def _success(self) -> RunProcsResult:
         """The result once every rank has exited 0."""

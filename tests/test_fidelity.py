@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import signal
 import sys
 import time
 import warnings
@@ -254,3 +255,82 @@ def test_timestamp_isoformat():
     failure = elastic.ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="none.json")
     failure.timestamp = 0
     assert failure.timestamp_isoformat() == datetime.fromtimestamp(0).isoformat(sep="_")
+
+
+# ------------------------- 3. after a failure, wait() reports what torch does
+# torch's test_binary_exit: binary rank 0 exits 138 while rank 1 sleeps; torch
+# stops rank 1 (SIGTERM) and reports both.  For function ranks torch reports
+# the rank that failed alone (test_function_exit: one failure).
+
+# torch's bin/echo4.py: exit with the code given, or sleep.
+ECHO4 = """
+import os, sys, time
+rank, code = int(os.environ["RANK"]), int(sys.argv[1])
+if code:
+    print(f"exit {code} from {rank}", file=sys.stderr)
+    sys.exit(code)
+time.sleep(1000)
+"""
+
+
+def test_binary_exit_reports_the_stopped_ranks_too(tmp_path):
+    fail = 138
+    pc = elastic.start_processes(
+        name="echo",
+        entrypoint=sys.executable,
+        args={0: ("-c", ECHO4, fail), 1: ("-c", ECHO4, 0)},
+        envs=RANK_ENVS,
+        logs_specs=elastic.DefaultLogsSpecs(log_dir=str(tmp_path), redirects={0: Std.ALL}),
+    )
+    results = pc.wait(timeout=60)
+    assert results is not None and results.is_failed()
+    assert len(results.failures) == 2
+    assert list(results.failures) == [0, 1]  # the first failure first
+    failure = results.failures[0]
+    assert failure.exitcode == fail
+    assert failure.signal_name() == "<N/A>"
+    assert failure.error_file_data["message"] == "<NONE>"
+    assert failure.message == NO_ERROR_FILE_MESSAGE
+    assert_in_file([f"exit {fail} from 0"], results.stderrs[0])
+    assert_in_file([], results.stdouts[0])
+    assert not results.stderrs[1]
+    assert not results.stdouts[1]
+    failure = results.failures[1]
+    assert failure.exitcode == -signal.SIGTERM
+    assert failure.signal_name() == "SIGTERM"
+    assert failure.error_file_data["message"] == "<NONE>"
+    assert "Signal 15 (SIGTERM) received by PID" in failure.message
+    assert failure.pid == pc.pids()[1]
+    assert all(gone(pid) for pid in pc.pids().values())
+
+
+def test_binary_exit_leaves_ranks_that_succeeded_out(tmp_path):
+    # Rank 1 exits 0 before rank 0 fails: torch reports rank 0 alone.
+    script = "import sys, time; time.sleep(float(sys.argv[1])); sys.exit(int(sys.argv[2]))"
+    pc = elastic.start_processes(
+        "t",
+        sys.executable,
+        {0: ("-c", script, 1.0, 3), 1: ("-c", script, 0, 0)},
+        {0: {}, 1: {}},
+        str(tmp_path),
+    )
+    results = pc.wait(timeout=60)
+    assert list(results.failures) == [0]
+    assert results.failures[0].exitcode == 3
+
+
+def test_function_exit_reports_the_failed_rank_alone(tmp_path, start_method):
+    pc = elastic.start_processes(
+        "t",
+        workers.elastic_exit_or_sleep,
+        {0: (138, 0), 1: (0, 60)},
+        {0: {}, 1: {}},
+        str(tmp_path),
+        start_method=start_method,
+    )
+    results = pc.wait(timeout=60)
+    assert results is not None and list(results.failures) == [0]
+    assert results.failures[0].exitcode == 138
+    assert results.failures[0].message == NO_ERROR_FILE_MESSAGE
+    assert not results.return_values
+    assert all(gone(pid) for pid in pc.pids().values())
