@@ -21,7 +21,8 @@ from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
     ProcessExitedException,
     ProcessRaisedException,
-    signal_name,
+    exited_exception,
+    raised_exception,
 )
 from fastspawn._methods import registry
 from fastspawn._methods.base import StartMethod
@@ -318,23 +319,8 @@ class ProcessContext:
         assert code is not None
         tb = self._receiver.reports.errors.get(rank)
         if tb is not None:
-            msg = f"\n\n-- Process {rank:d} terminated with the following error:\n" + tb
-            return ProcessRaisedException(msg, rank, proc.pid)
-        if code < 0:
-            name = signal_name(-code)
-            return ProcessExitedException(
-                f"process {rank:d} terminated with signal {name}",
-                error_index=rank,
-                error_pid=proc.pid,
-                exit_code=code,
-                signal_name=name,
-            )
-        return ProcessExitedException(
-            f"process {rank:d} terminated with exit code {code:d}",
-            error_index=rank,
-            error_pid=proc.pid,
-            exit_code=code,
-        )
+            return raised_exception(rank, proc.pid, tb)
+        return exited_exception(rank, proc.pid, code)
 
     @property
     def return_values(self) -> dict[int, Any]:
@@ -417,14 +403,6 @@ class ProcessContext:
             self._end(signal.SIGTERM if self.daemon else None)
         finally:
             self._join_lock.release()
-
-
-class SpawnContext(ProcessContext):
-    """Deprecated alias of :class:`ProcessContext`, as in torch."""
-
-    def __init__(self, processes: list[Process], receiver: Receiver, daemon: bool = False) -> None:
-        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
-        super().__init__(processes, receiver, daemon)
 
 
 def _forget_in_child() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
+import pickle
 import signal
 import sys
 import time
@@ -334,3 +336,138 @@ def test_function_exit_reports_the_failed_rank_alone(tmp_path, start_method):
     assert results.failures[0].message == NO_ERROR_FILE_MESSAGE
     assert not results.return_values
     assert all(gone(pid) for pid in pc.pids().values())
+
+
+# ------------------------------- 4. SpawnContext(processes, error_files)
+# torch's constructor takes multiprocessing processes started by the caller
+# and the files torch's wrapper pickles tracebacks to; fastspawn's gives a
+# context that joins them as torch's does.
+
+
+@pytest.fixture(params=["fork", "spawn"])
+def mp_context(request):
+    """A multiprocessing context of each start method torch's tests use.
+    (Not "forkserver": its server and the temp directory it makes live as
+    long as this process, not as long as a test.)"""
+    return multiprocessing.get_context(request.param)
+
+
+@pytest.fixture
+def mp_processes():
+    """Processes a test starts: stopped if need be, then closed (their
+    sentinel fds released) after it."""
+    processes = []
+    yield processes
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(30)
+        proc.close()
+
+
+def torch_shaped(mp_processes, mp_context, tmp_path, fn, args=(), nprocs=2):
+    """Start processes as torch's start_processes does, then build the
+    context the torch way."""
+    error_files = [str(tmp_path / f"pytorch-errorfile-{rank}.pickle") for rank in range(nprocs)]
+    processes = [
+        mp_context.Process(
+            target=workers.torch_style_wrap, args=(fn, rank, args, error_files[rank])
+        )
+        for rank in range(nprocs)
+    ]
+    for proc in processes:
+        proc.start()
+        mp_processes.append(proc)
+    with pytest.warns(UserWarning, match="SpawnContext is renamed to ProcessContext since 1.4"):
+        ctx = fastspawn.SpawnContext(processes, error_files)
+    return ctx
+
+
+def join_all(ctx, grace_period=None):
+    deadline = time.monotonic() + 60
+    while not ctx.join(timeout=5, grace_period=grace_period):
+        assert time.monotonic() < deadline
+
+
+def test_spawn_context_torch_shaped_success(mp_processes, mp_context, tmp_path):
+    ctx = torch_shaped(mp_processes, mp_context, tmp_path, workers.succeed)
+    assert isinstance(ctx, fastspawn.SpawnContext) and isinstance(ctx, fastspawn.ProcessContext)
+    assert ctx.pids() == [p.pid for p in ctx.processes]
+    join_all(ctx)
+    assert ctx.join() is True  # again, after all exited
+    assert [p.exitcode for p in ctx.processes] == [0, 0]
+    assert ctx.return_values == {}
+
+
+def test_spawn_context_torch_shaped_raised(mp_processes, mp_context, tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    ctx = torch_shaped(mp_processes, mp_context, tmp_path, workers.raise_on, (1, 30.0))
+    pid0 = ctx.processes[0].pid
+    with pytest.raises(fastspawn.ProcessRaisedException) as info:
+        join_all(ctx)
+    message = str(info.value)
+    assert message.startswith("\n\n-- Process 1 terminated with the following error:\n")
+    assert message.rstrip("\n").endswith("\nValueError: legitimate exception from process 1")
+    assert (info.value.error_index, info.value.error_pid) == (1, ctx.processes[1].pid)
+    assert f"Terminating process {pid0} via signal SIGTERM" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # the error file read, then removed
+    # As torch: one more join raises for rank 0 (stopped), then True.
+    with pytest.raises(fastspawn.ProcessExitedException, match="process 0 terminated with signal"):
+        ctx.join()
+    assert ctx.join() is True
+    assert not any(p.is_alive() for p in ctx.processes)
+
+
+def test_spawn_context_torch_shaped_exit(mp_processes, mp_context, tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    ctx = torch_shaped(mp_processes, mp_context, tmp_path, workers.exit_rank0, (123, 4.0))
+    with pytest.raises(fastspawn.ProcessExitedException) as info:
+        join_all(ctx, grace_period=20)
+    assert str(info.value) == "process 0 terminated with exit code 123"
+    assert info.value.exit_code == 123
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def write_pickle(path, value):
+    with open(path, "wb") as f:
+        pickle.dump(value, f)
+
+
+def test_spawn_context_reads_no_planted_error_file(mp_processes, tmp_path, caplog):
+    # A pickle that would run code, a file of another user's, a symlink:
+    # none is read, and the rank's exit code is reported.
+    procs = [multiprocessing.get_context("fork").Process(target=sys.exit, args=(3,))]
+    procs[0].start()
+    mp_processes.extend(procs)
+    target = tmp_path / "real.pickle"
+    write_pickle(target, "Traceback: planted\n")
+    cases = {
+        "code": lambda path: write_pickle(path, workers.RunsCode()),
+        "symlink": lambda path: os.symlink(target, path),
+    }
+    if os.geteuid() == 0:  # only root can give a file away
+        cases["foreign"] = lambda path: (write_pickle(path, "x"), os.chown(path, 65534, 65534))
+    for name, plant in cases.items():
+        path = tmp_path / name
+        plant(path)
+        assert spawn_context_read(path) is None, name
+    if "foreign" in cases:
+        assert "not a file of this user's" in caplog.text
+    with pytest.warns(UserWarning):
+        ctx = fastspawn.SpawnContext(procs, [str(tmp_path / "code")])
+    with pytest.raises(fastspawn.ProcessExitedException, match="exit code 3"):
+        join_all(ctx)
+
+
+def spawn_context_read(path):
+    from fastspawn._spawn_context import read_traceback
+
+    return read_traceback(str(path))
+
+
+def test_spawn_context_torch_shaped_bad_arguments():
+    proc = multiprocessing.get_context("fork").Process(target=sys.exit)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="has no sentinel"):
+        fastspawn.SpawnContext([proc], [None])  # not started
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="1 processes but 2 error"):
+        fastspawn.SpawnContext([proc], [None, None])

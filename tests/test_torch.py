@@ -87,3 +87,37 @@ def test_patched_start_processes_takes_start_method_none(patched, monkeypatch):
         assert sorted([queue.get(), queue.get()]) == [0, 1]
     finally:
         queue.close()
+
+
+def test_patched_spawn_context_takes_torchs_arguments(patched, tmp_path):
+    # Processes started with torch's own wrapper, which pickles a traceback
+    # to the error file it is given; the context built as torch builds it.
+    from torch.multiprocessing.spawn import _wrap
+
+    error_files = [str(tmp_path / f"pytorch-errorfile-{rank}.pickle") for rank in range(2)]
+    processes = [
+        torch_mp.get_context("fork").Process(
+            target=_wrap, args=(workers.raise_on, rank, (1, 30.0), error_files[rank])
+        )
+        for rank in range(2)
+    ]
+    for proc in processes:
+        proc.start()
+    try:
+        with pytest.warns(UserWarning, match="SpawnContext is renamed to ProcessContext"):
+            ctx = torch_mp.SpawnContext(processes, error_files)
+        with pytest.raises(
+            torch_mp.ProcessRaisedException,
+            match="\nValueError: legitimate exception from process 1",
+        ):
+            while not ctx.join(timeout=60):
+                pass
+        with pytest.raises(torch_mp.ProcessExitedException, match="process 0 terminated with"):
+            ctx.join()
+        assert ctx.join() is True
+    finally:
+        for proc in processes:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(30)
+            proc.close()

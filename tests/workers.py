@@ -526,3 +526,24 @@ def elastic_exit_or_sleep(code: int, seconds: float) -> None:
     if code:
         sys.exit(code)
     time.sleep(seconds)
+
+
+def torch_style_wrap(fn: Any, rank: int, args: tuple[Any, ...], error_file: str) -> None:
+    """What torch's spawn runs in each process it starts: ``fn(rank, *args)``,
+    and on an exception its traceback pickled to ``error_file``, exit 1."""
+    try:
+        fn(rank, *args)
+    except Exception:
+        import pickle
+        import traceback
+
+        with open(error_file, "wb") as f:
+            pickle.dump(traceback.format_exc(), f)
+        sys.exit(1)
+
+
+class RunsCode:
+    """Unpickling this runs ``os.getpid()``: a stand-in for a planted pickle."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.getpid, ())
