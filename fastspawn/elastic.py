@@ -33,7 +33,7 @@ from fastspawn import _context, _launch
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException
 from fastspawn._methods import registry
-from fastspawn._tee import Tee
+from fastspawn._tee import LineFilter, Tee
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +267,13 @@ def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
     return path
 
 
+def _remove_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _open_log(path: str) -> int:
     """A new log file, 0600; never one that exists already (another rank's,
     an earlier attempt's, or a link someone planted)."""
@@ -292,8 +299,11 @@ class LogsDest:
     ``os.devnull`` to discard.  ``tee_stdouts``/``tee_stderrs``: the ranks
     whose stream is also shown on the console, prefixed, mapped to the same
     path as in ``stdouts``/``stderrs`` (``os.devnull`` shows nothing).
-    ``error_files``: where each rank's error file goes.  The filtered files
-    are accepted and not written.
+    ``error_files``: where each rank's error file goes.
+    ``filtered_stdout``/``filtered_stderr``: where
+    ``duplicate_stdout_filters``/``duplicate_stderr_filters`` copy the
+    matching lines of the ranks tee'd to the console (``os.devnull``:
+    nowhere).
     """
 
     stdouts: dict[int, str] = field(default_factory=dict)
@@ -386,6 +396,7 @@ class DefaultLogsSpecs(LogsSpecs):
                 dest.tee_stdouts[rank] = dest.tee_stderrs[rank] = os.devnull
                 dest.error_files[rank] = os.devnull
                 envs[rank][ERROR_FILE_ENV] = ""
+            dest.filtered_stdout = dest.filtered_stderr = os.devnull
             return dest
         if self._run_log_dir is None:
             if self._root_log_dir is None:
@@ -445,6 +456,7 @@ class PContext:
         start_method: str,
         log_line_prefixes: Mapping[int, str] | None,
         binary_path: str | None = None,
+        filtered: Mapping[str, tuple[str, Sequence[str]]] | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -461,6 +473,13 @@ class PContext:
         # The resolved binary (start_processes resolves it before it creates
         # any file); start() resolves it when None.
         self._binary_path = binary_path
+        # "stdout"/"stderr" -> (file, needles): the filtered copy of the
+        # tee'd ranks' lines (torch's duplicate_*_filters), its file made at
+        # start, by it (removed again if the start fails).
+        self.filtered = {
+            console: (path, list(needles)) for console, (path, needles) in (filtered or {}).items()
+        }
+        self._line_filters: dict[str, LineFilter] = {}
         self._ctx: _context.ProcessContext | None = None
         self._tee = Tee()
         self._result: RunProcsResult | None = None
@@ -488,11 +507,13 @@ class PContext:
                 "start_processes called from a thread other than the main one: no "
                 "SignalException handlers installed"
             )
+        made: list[str] = []  # the filtered copies' files this start created
         try:
             if isinstance(self.entrypoint, str) and self._binary_path is None:
                 self._binary_path = _resolve_binary(
                     self.entrypoint, {**os.environ, **self.envs.get(0, {})}
                 )
+            self._open_filters(made)
             stdio, child_fds = self._open_stdio()
             try:
                 self._ctx = _context.launch_context(self._request(stdio))
@@ -504,8 +525,20 @@ class PContext:
             if self._ctx is not None:  # the ranks run, but their output has no reader
                 self.close(signal.SIGKILL)
             self._tee.close()
+            for path in made:
+                _remove_file(path)
             raise
         _live_contexts.add(self)
+
+    def _open_filters(self, made: list[str]) -> None:
+        """Create the filtered copies' files (see ``filtered``), owned by
+        the Tee from then on; append each path made to ``made``."""
+        for console, (path, needles) in self.filtered.items():
+            if not needles or path == os.devnull:
+                continue
+            file = open(_open_log(path), "wb")
+            made.append(path)
+            self._line_filters[console] = self._tee.add_filter(file, needles)
 
     def _prefix(self, rank: int) -> str:
         return self.log_line_prefixes.get(rank, f"[{self.name}{rank}]:")
@@ -536,7 +569,13 @@ class PContext:
                             os.close(read_end)
                             raise
                         # The tee owns read_end and log_file from here on.
-                        self._tee.add(read_end, log_file, console, self._prefix(rank))
+                        self._tee.add(
+                            read_end,
+                            log_file,
+                            console,
+                            self._prefix(rank),
+                            self._line_filters.get(console),
+                        )
                         pair.append(write_end)
                     else:
                         fd = _open_log(path)
@@ -788,6 +827,8 @@ def start_processes(
     log_line_prefixes: Mapping[int, str] | None = None,
     *,
     logs_specs: LogsSpecs | None = None,
+    duplicate_stdout_filters: Sequence[str] | None = None,
+    duplicate_stderr_filters: Sequence[str] | None = None,
 ) -> PContext:
     """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
 
@@ -816,6 +857,12 @@ def start_processes(
             with torch's ``reify(envs) -> LogsDest``).  Ranks without an
             error file in its ``LogsDest`` get an empty
             ``TORCHELASTIC_ERROR_FILE``.
+        duplicate_stdout_filters, duplicate_stderr_filters: as in torch: when
+            not empty, every line of the ranks tee'd to the console that
+            contains any of these strings is also written, with its prefix,
+            to one file for all ranks: the ``LogsDest``'s
+            ``filtered_stdout``/``filtered_stderr`` (with ``log_dir``:
+            ``{log_dir}/filtered_stdout.log``, ``filtered_stderr.log``).
 
     Raises:
         TypeError: both or neither of ``log_dir`` and ``logs_specs``, or
@@ -829,7 +876,9 @@ def start_processes(
         FileExistsError: a log file the ``LogsDest`` names exists already.
         FileNotFoundError, PermissionError: the binary cannot be found or run.
         ValueError: an unknown ``start_method`` (the message lists the valid
-            ones).
+            ones), or filters given where the ``LogsDest`` names no filtered
+            file.
+        TypeError: a filter list that is a string, or holds a non-string.
     """
     # Before anything is made: an unknown one names the valid ones.
     start_method = registry.get(start_method).name
@@ -839,6 +888,10 @@ def start_processes(
     _validate_full_rank(envs, nprocs, "envs")
     if isinstance(redirects, str) or isinstance(tee, str):
         raise TypeError("redirects and tee take Std values or maps; use Std.from_str for strings")
+    filters = {
+        "stdout": _checked_filters(duplicate_stdout_filters, "duplicate_stdout_filters"),
+        "stderr": _checked_filters(duplicate_stderr_filters, "duplicate_stderr_filters"),
+    }
     rank_envs = {rank: {k: str(v) for k, v in envs[rank].items()} for rank in range(nprocs)}
     binary_path = None
     if isinstance(entrypoint, str):
@@ -867,6 +920,7 @@ def start_processes(
             start_method=start_method,
             log_line_prefixes=log_line_prefixes,
             binary_path=binary_path,
+            filtered=_filtered_copies(dest, filters),
         )
         context.start()  # leaves no fd and no rank behind when it fails
     except BaseException:
@@ -874,6 +928,33 @@ def start_processes(
             shutil.rmtree(rank_dir, ignore_errors=True)
         raise
     return context
+
+
+def _checked_filters(filters: Sequence[str] | None, what: str) -> list[str]:
+    """``filters`` as a list of strings (None: none).  A string would be
+    taken one character at a time: refused."""
+    if filters is None:
+        return []
+    if isinstance(filters, (str, bytes)) or not all(isinstance(f, str) for f in filters):
+        raise TypeError(f"{what} takes a list of strings, got {filters!r:.80}")
+    return list(filters)
+
+
+def _filtered_copies(
+    dest: LogsDest, filters: Mapping[str, list[str]]
+) -> dict[str, tuple[str, list[str]]]:
+    """``{"stdout"|"stderr": (file, needles)}`` for the filters given."""
+    copies = {}
+    for console, path in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
+        if not filters[console]:
+            continue
+        if not path:
+            raise ValueError(
+                f"duplicate_{console}_filters given, but the LogsDest names no "
+                f"filtered_{console} file to copy the matching lines to"
+            )
+        copies[console] = (path, filters[console])
+    return copies
 
 
 def _checked_log_args(
@@ -942,6 +1023,11 @@ def _rank_dirs(
     streams shown on the console only).  Appends each directory it makes
     to ``created``."""
     dest = LogsDest()
+    if log_dir == os.devnull:
+        dest.filtered_stdout = dest.filtered_stderr = os.devnull
+    else:
+        dest.filtered_stdout = os.path.join(log_dir, "filtered_stdout.log")
+        dest.filtered_stderr = os.path.join(log_dir, "filtered_stderr.log")
     for rank in envs:
         if log_dir == os.devnull:
             dest.stdouts[rank] = dest.stderrs[rank] = ""

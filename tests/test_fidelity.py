@@ -471,3 +471,143 @@ def test_spawn_context_torch_shaped_bad_arguments():
         fastspawn.SpawnContext([proc], [None])  # not started
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="1 processes but 2 error"):
         fastspawn.SpawnContext([proc], [None, None])
+
+
+# --------------------------------- 5a. duplicate_stdout/stderr_filters
+# torch 2.13's test_function_duplicate_log_filters and
+# test_binary_duplicate_log_filters: the lines of the tee'd ranks that
+# contain any filter string, prefixed, in one file per stream.
+
+# torch's bin/echo1.py: echo1 above, as a program.
+ECHO1 = """
+import os, sys
+rank = int(os.environ["RANK"])
+for part in sys.argv[1].split(","):
+    print(f"{part} stdout from {rank}")
+    print(f"{part} stderr from {rank}", file=sys.stderr)
+"""
+
+
+def assert_not_in_file(lines, path):
+    with open(path) as f:
+        found = f.readlines()
+    for line in lines:
+        assert f"{line.rstrip()}\n" not in found
+
+
+def duplicate_log_filters(tmp_path, entrypoint, args, start_method, **kwargs):
+    envs = {0: {"RANK": "0"}, 1: {"RANK": "1"}}
+    logs_specs = elastic.DefaultLogsSpecs(
+        log_dir=str(tmp_path),
+        redirects={0: Std.ERR, 1: Std.NONE},
+        tee={0: Std.OUT, 1: Std.ERR},
+    )
+    logs_dest = logs_specs.reify(envs)
+    with real_stdio():
+        pc = elastic.start_processes(
+            name="trainer",
+            entrypoint=entrypoint,
+            args=args,
+            envs=envs,
+            logs_specs=logs_specs,
+            duplicate_stdout_filters=["helloA"],
+            duplicate_stderr_filters=["worldA", "B"],
+            start_method=start_method,
+            **kwargs,
+        )
+    result = pc.wait(timeout=60)
+    assert result is not None and not result.is_failed()
+    return logs_dest
+
+
+def test_function_duplicate_log_filters(tmp_path, start_method):
+    logs_dest = duplicate_log_filters(
+        tmp_path,
+        workers.echo_rank_or_exit,
+        {0: ("helloA,helloB",), 1: ("worldA,worldB",)},
+        start_method,
+    )
+    assert_in_file(["[trainer0]:helloA stdout from 0"], logs_dest.filtered_stdout)
+    assert_not_in_file(["[trainer0]:helloB stdout from 0"], logs_dest.filtered_stdout)
+    assert_in_file(["[trainer1]:worldA stderr from 1"], logs_dest.filtered_stderr)
+    assert_in_file(["[trainer1]:worldB stderr from 1"], logs_dest.filtered_stderr)
+
+
+def test_binary_duplicate_log_filters(tmp_path):
+    logs_dest = duplicate_log_filters(
+        tmp_path,
+        sys.executable,
+        {0: ("-c", ECHO1, "helloA,helloB"), 1: ("-c", ECHO1, "worldA,worldB")},
+        None,
+        log_line_prefixes={0: "[rank0]:", 1: "[rank1]:"},
+    )
+    with open(logs_dest.filtered_stdout) as f:
+        assert f.read() == "[rank0]:helloA stdout from 0\n"
+    with open(logs_dest.filtered_stderr) as f:
+        assert sorted(f.readlines()) == [
+            "[rank1]:worldA stderr from 1\n",
+            "[rank1]:worldB stderr from 1\n",
+        ]
+
+
+def test_duplicate_log_filters_with_log_dir_take_text_lines(tmp_path):
+    # Lines end as a text file's do (\r too); the last, unfinished one
+    # counts; only tee'd ranks are copied; with log_dir the files sit in it.
+    script = "import sys; sys.stdout.write('load A 1%\\rload A 2%\\r\\nskip\\nlast A')"
+    pc = elastic.start_processes(
+        "t",
+        sys.executable,
+        {0: ("-c", script), 1: ("-c", script)},
+        {0: {}, 1: {}},
+        str(tmp_path),
+        tee={0: Std.OUT},
+        redirects={1: Std.OUT},
+        duplicate_stdout_filters=["A"],
+    )
+    assert not pc.wait(timeout=60).is_failed()
+    assert (
+        tmp_path / "filtered_stdout.log"
+    ).read_text() == "[t0]:load A 1%\n[t0]:load A 2%\n[t0]:last A\n"
+    assert not (tmp_path / "filtered_stderr.log").exists()  # no stderr filters
+
+
+def test_duplicate_log_filters_skip_ranks_left_off_the_console(tmp_path):
+    logs_specs = elastic.DefaultLogsSpecs(str(tmp_path), tee=Std.OUT, local_ranks_filter={1})
+    pc = elastic.start_processes(
+        "t",
+        "/bin/echo",
+        {0: ("x0",), 1: ("x1",)},
+        {0: {}, 1: {}},
+        logs_specs,
+        duplicate_stdout_filters=["x"],
+    )
+    assert not pc.wait(timeout=60).is_failed()
+    (filtered,) = tmp_path.glob("*/attempt_0/filtered_stdout.log")
+    assert filtered.read_text() == "[t1]:x1\n"
+
+
+def test_duplicate_log_filters_to_devnull_and_empty(tmp_path):
+    for log_dir, filters in ((os.devnull, ["x"]), (str(tmp_path), [])):
+        pc = elastic.start_processes(
+            "t", "/bin/echo", {0: ("x",)}, {0: {}}, log_dir, duplicate_stdout_filters=filters
+        )
+        assert not pc.wait(timeout=60).is_failed()
+    assert [p.name for p in tmp_path.iterdir()] == ["0"]  # no filtered file
+
+
+def test_duplicate_log_filters_bad_arguments(tmp_path):
+    class NoFilteredFile(elastic.LogsSpecs):
+        root_log_dir = str(tmp_path)
+
+        def reify(self, envs):
+            return elastic.LogsDest(stdouts={0: ""}, stderrs={0: ""})
+
+    with pytest.raises(TypeError, match="takes a list of strings"):
+        elastic.start_processes(
+            "t", "/bin/true", {0: ()}, {0: {}}, str(tmp_path), duplicate_stdout_filters="x"
+        )
+    with pytest.raises(ValueError, match="names no filtered_stderr file"):
+        elastic.start_processes(
+            "t", "/bin/true", {0: ()}, {0: {}}, NoFilteredFile(), duplicate_stderr_filters=["x"]
+        )
+    assert list(tmp_path.iterdir()) == []
