@@ -12,6 +12,10 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from fastspawn._numa import NumaBinding
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
@@ -36,11 +40,18 @@ def write_error_file(exc: BaseException) -> None:
 
 
 def run_function(
-    rank: int, entrypoint: Callable[..., Any], args: Mapping[int, Sequence[Any]]
+    rank: int,
+    entrypoint: Callable[..., Any],
+    args: Mapping[int, Sequence[Any]],
+    numa: NumaBinding | None = None,
 ) -> Any:
-    """Call ``entrypoint(*args[rank])``; on an exception write the error file
-    first, then let the core report it."""
+    """Bind this rank to its CPUs (``numa``), then call
+    ``entrypoint(*args[rank])``; on an exception (a failed binding's too, as
+    torch records it) write the error file first, then let the core report
+    it."""
     try:
+        if numa is not None:
+            numa.bind_rank(rank)
         return entrypoint(*args[rank])
     except Exception as exc:
         write_error_file(exc)

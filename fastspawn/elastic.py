@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, BinaryIO
 
-from fastspawn import _context, _launch
+from fastspawn import _context, _launch, _numa
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException
 from fastspawn._methods import registry
@@ -457,6 +457,7 @@ class PContext:
         log_line_prefixes: Mapping[int, str] | None,
         binary_path: str | None = None,
         filtered: Mapping[str, tuple[str, Sequence[str]]] | None = None,
+        numa: _numa.NumaBinding | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -480,6 +481,7 @@ class PContext:
             console: (path, list(needles)) for console, (path, needles) in (filtered or {}).items()
         }
         self._line_filters: dict[str, LineFilter] = {}
+        self.numa = numa  # numa_options, checked: see _numa
         self._ctx: _context.ProcessContext | None = None
         self._tee = Tee()
         self._result: RunProcsResult | None = None
@@ -591,18 +593,13 @@ class PContext:
     def _request(self, stdio: dict[int, tuple[int, int]]) -> _launch.LaunchRequest:
         binary: tuple[str, dict[int, list[str]]] | None = None
         if isinstance(self.entrypoint, str):
-            assert self._binary_path is not None, "resolved in start()"
-            argvs = {
-                rank: [self.entrypoint, *(str(a) for a in self.args[rank])]
-                for rank in range(self.nprocs)
-            }
-            binary = (self._binary_path, argvs)
+            binary = self._binary_argvs()
             fn: Callable[..., Any] = exec_binary
             fn_args: tuple[Any, ...] = binary
             method = registry.get(registry.DEFAULT)  # the zygote adopts orphans
         else:
             fn = run_function
-            fn_args = (self.entrypoint, self.args)
+            fn_args = (self.entrypoint, self.args, self.numa)
             method = registry.get(self.start_method)
         return _launch.LaunchRequest(
             fn=fn,
@@ -618,6 +615,21 @@ class PContext:
             keep_stdin=binary is not None,
             binary=binary,
         )
+
+    def _binary_argvs(self) -> tuple[str, dict[int, list[str]]]:
+        """What each binary rank execs: the binary, or numactl running it
+        where the ranks are bound (as torch runs them)."""
+        assert self._binary_path is not None, "resolved in start()"
+        argvs = {
+            rank: [str(self.entrypoint), *(str(a) for a in self.args[rank])]
+            for rank in range(self.nprocs)
+        }
+        if self.numa is None or not self.numa.numactl:
+            return self._binary_path, argvs
+        return self.numa.numactl, {
+            rank: self.numa.wrap_argv(rank, [self._binary_path, *argv[1:]])
+            for rank, argv in argvs.items()
+        }
 
     # -------------------------------------------------------------- wait
 
@@ -829,6 +841,7 @@ def start_processes(
     logs_specs: LogsSpecs | None = None,
     duplicate_stdout_filters: Sequence[str] | None = None,
     duplicate_stderr_filters: Sequence[str] | None = None,
+    numa_options: Any = None,
 ) -> PContext:
     """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
 
@@ -863,6 +876,15 @@ def start_processes(
             to one file for all ranks: the ``LogsDest``'s
             ``filtered_stdout``/``filtered_stderr`` (with ``log_dir``:
             ``{log_dir}/filtered_stdout.log``, ``filtered_stderr.log``).
+        numa_options: torch's ``NumaOptions`` (or an object with its
+            ``affinity_mode`` and ``should_fall_back_if_binding_fails``):
+            bind rank ``i`` to the CPUs near GPU ``i`` as torch defines it
+            (see ``fastspawn._numa``); function ranks bind themselves
+            before the function runs, binaries run through ``numactl``.
+            Checked here first: where it cannot apply (no NUMA information,
+            no torch, fewer GPUs than ranks, no ``numactl`` for binaries)
+            ``RuntimeError``, or with ``should_fall_back_if_binding_fails``
+            a warning and no binding.
 
     Raises:
         TypeError: both or neither of ``log_dir`` and ``logs_specs``, or
@@ -879,6 +901,7 @@ def start_processes(
             ones), or filters given where the ``LogsDest`` names no filtered
             file.
         TypeError: a filter list that is a string, or holds a non-string.
+        RuntimeError: ``numa_options`` cannot apply here (see above).
     """
     # Before anything is made: an unknown one names the valid ones.
     start_method = registry.get(start_method).name
@@ -894,9 +917,13 @@ def start_processes(
     }
     rank_envs = {rank: {k: str(v) for k, v in envs[rank].items()} for rank in range(nprocs)}
     binary_path = None
+    rank0_env = {**os.environ, **rank_envs.get(0, {})}
     if isinstance(entrypoint, str):
         # Before any file is created: a missing binary leaves nothing behind.
-        binary_path = _resolve_binary(entrypoint, {**os.environ, **rank_envs.get(0, {})})
+        binary_path = _resolve_binary(entrypoint, rank0_env)
+    numa = None
+    if numa_options is not None:
+        numa = _numa.binding(numa_options, nprocs, binary_path, rank0_env)
     rank_dirs: list[str] = []  # created by this call: removed if the start fails
     try:
         dest = _logs_dest(directory, logs_specs, redirects, tee, rank_envs, rank_dirs)
@@ -921,6 +948,7 @@ def start_processes(
             log_line_prefixes=log_line_prefixes,
             binary_path=binary_path,
             filtered=_filtered_copies(dest, filters),
+            numa=numa,
         )
         context.start()  # leaves no fd and no rank behind when it fails
     except BaseException:

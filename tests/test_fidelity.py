@@ -17,13 +17,14 @@ import sys
 import time
 import warnings
 from datetime import datetime
+from types import SimpleNamespace
 
 import pytest
 import workers
-from helpers import gone
+from helpers import TWELVE_CPUS_GPUS, fake_sysfs, gone, twelve_cpus
 
 import fastspawn
-from fastspawn import elastic
+from fastspawn import _numa, elastic
 from fastspawn._methods import registry
 from fastspawn.elastic import Std
 
@@ -611,3 +612,202 @@ def test_duplicate_log_filters_bad_arguments(tmp_path):
             "t", "/bin/true", {0: ()}, {0: {}}, NoFilteredFile(), duplicate_stderr_filters=["x"]
         )
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------- 5b. numa_options
+# torch binds rank i to the CPUs near GPU i (torch.numa.binding); the modes
+# are checked on a sysfs tree of our own (test_torch.py compares them with
+# torch's own functions), the launch paths with that tree and stand-in GPUs.
+
+
+def numa_options(mode="node", fall_back=False):
+    # torch's NumaOptions, duck-typed: these tests need no torch.
+    return SimpleNamespace(affinity_mode=mode, should_fall_back_if_binding_fails=fall_back)
+
+
+def twelve_cpu_topology(tmp_path, allowed=None):
+    return _numa.Topology(
+        root=str(twelve_cpus(tmp_path)),
+        gpu_node=TWELVE_CPUS_GPUS.__getitem__,
+        gpus=lambda: len(TWELVE_CPUS_GPUS),
+        allowed=set(range(12)) if allowed is None else allowed,
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("node", {0: range(4), 1: range(4), 2: range(4, 8), 3: range(8, 12)}),
+        ("socket", {0: range(8), 1: range(8), 2: range(8), 3: range(8, 12)}),
+        ("exclusive", {0: [0, 1], 1: [2, 3], 2: range(4, 8), 3: range(8, 12)}),
+        ("core-complex", {0: [0, 1, 2], 1: [3], 2: range(4, 8), 3: range(8, 12)}),
+    ],
+)
+def test_numa_options_modes_as_torch_defines_them(tmp_path, mode, expected):
+    topology = twelve_cpu_topology(tmp_path)
+    for gpu, cpus in expected.items():
+        assert _numa.cpus_for(mode, gpu, topology) == set(cpus), (mode, gpu)
+
+
+def test_numa_options_bind_only_allowed_cpus(tmp_path):
+    topology = twelve_cpu_topology(tmp_path, allowed=set(range(12)) - {1, 5})
+    assert _numa.cpus_for("node", 0, topology) == {0, 2, 3}
+    assert _numa.cpus_for("exclusive", 0, topology) == {0}  # core {0, 1}, less CPU 1
+    assert _numa.cpus_for("exclusive", 1, topology) == {2, 3}
+    assert _numa.cpus_for("socket", 3, topology) == set(range(8, 12))
+    no_node0 = twelve_cpu_topology(tmp_path, allowed=set(range(4, 12)))
+    with pytest.raises(RuntimeError, match="no allowed CPU to bind to near GPU 0"):
+        _numa.cpus_for("node", 0, no_node0)
+
+
+def test_numa_options_exclusive_needs_a_core_per_gpu(tmp_path):
+    topology = twelve_cpu_topology(tmp_path)
+    topology.gpu_node = lambda gpu: 0
+    topology.gpus = lambda: 3  # three GPUs on node 0's two cores
+    with pytest.raises(RuntimeError, match="2 physical cores for its 3 GPUs"):
+        _numa.cpus_for("exclusive", 0, topology)
+
+
+def test_numa_options_cpu_lists():
+    assert _numa.parse_cpu_list("0-2,4,6-7\n") == {0, 1, 2, 4, 6, 7}
+    assert _numa.format_cpu_list({7, 0, 1, 2, 4, 6}) == "0-2,4,6-7"
+    assert _numa.format_cpu_list({3}) == "3"
+
+
+def test_numa_options_gpu_node_from_its_pci_address(tmp_path, monkeypatch):
+    # torch's way: the GPU's PCI address, then sysfs; -1 (one node) is 0.
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0xDC, pci_device_id=0)
+    cuda = SimpleNamespace(get_device_properties=lambda index: props)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(_numa, "SYSFS", str(tmp_path))
+    node_file = tmp_path / "bus/pci/devices/0000:dc:00.0/numa_node"
+    node_file.parent.mkdir(parents=True)
+    for text, node in (("1\n", 1), ("-1\n", 0)):
+        node_file.write_text(text)
+        assert _numa.gpu_numa_node(0) == node
+
+
+def test_numa_options_clear_error_where_they_cannot_apply(tmp_path, monkeypatch, caplog):
+    # Here: no GPU torch can see (or no torch); elsewhere, no NUMA information.
+    with pytest.raises(RuntimeError, match="numa_options cannot apply: .*(GPU|torch)"):
+        elastic.start_processes(
+            "t", "/bin/true", {0: ()}, {0: {}}, str(tmp_path), numa_options=numa_options()
+        )
+    monkeypatch.setattr(_numa, "SYSFS", str(tmp_path / "nothing"))
+    with pytest.raises(RuntimeError, match="shows no NUMA information"):
+        elastic.start_processes(
+            "t",
+            workers.elastic_add,
+            {0: (1, 2)},
+            {0: {}},
+            str(tmp_path),
+            numa_options=numa_options(),
+        )
+    with pytest.raises(ValueError, match="affinity_mode 'nearby' is not one of"):
+        elastic.start_processes(
+            "t", "/bin/true", {0: ()}, {0: {}}, str(tmp_path), numa_options=numa_options("nearby")
+        )
+    assert list(tmp_path.iterdir()) == []  # nothing made
+    # Told to fall back, the ranks run unbound, with a warning.
+    caplog.set_level(logging.WARNING)
+    pc = elastic.start_processes(
+        "t",
+        workers.elastic_add,
+        {0: (1, 2)},
+        {0: {}},
+        str(tmp_path),
+        numa_options=numa_options(fall_back=True),
+    )
+    assert pc.wait(timeout=60).return_values == {0: 3}
+    assert "NUMA binding failed" in caplog.text and "runs unbound" in caplog.text
+
+
+@pytest.fixture
+def numa_machine(tmp_path, monkeypatch):
+    """_numa looks at a two-node tree (node 0: the lowest CPU we may use,
+    node 1: the highest) and two stand-in GPUs, one per node."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = {cpu: {cpu} for cpu in allowed}
+    root = fake_sysfs(
+        tmp_path / "sys",
+        {0: {allowed[0]}, 1: {allowed[-1]}},
+        dict.fromkeys(allowed, 0),
+        cores,
+        cores,
+    )
+    monkeypatch.setattr(_numa, "SYSFS", str(root))
+    monkeypatch.setattr(_numa, "gpu_count", lambda: 2)
+    monkeypatch.setattr(_numa, "gpu_numa_node", lambda gpu: gpu)
+    return allowed
+
+
+def test_numa_options_bind_function_ranks(tmp_path, numa_machine):
+    # "fork" ranks inherit the stand-ins; the other methods' ranks would ask
+    # the real machine (see the next test).
+    pc = elastic.start_processes(
+        "t",
+        workers.elastic_affinity,
+        {0: (), 1: ()},
+        {0: {}, 1: {}},
+        os.devnull,
+        start_method="fork",
+        numa_options=numa_options(),
+    )
+    result = pc.wait(timeout=60)
+    assert result.return_values == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
+
+
+@pytest.mark.parametrize("fall_back", [False, True])
+def test_numa_options_binding_that_fails_in_a_rank(tmp_path, start_method, fall_back, monkeypatch):
+    # The launcher is told there are GPUs; the rank, asking the real
+    # machine, finds none: it fails as torch's does (its error file says
+    # why), or runs unbound when told to fall back.
+    monkeypatch.setattr(_numa, "gpu_count", lambda: 1)
+    pc = elastic.start_processes(
+        "t",
+        workers.elastic_add,
+        {0: (1, 2)},
+        {0: {}},
+        str(tmp_path),
+        start_method=start_method,
+        numa_options=numa_options(fall_back=fall_back),
+    )
+    result = pc.wait(timeout=120)
+    if fall_back:
+        assert result.return_values == {0: 3}
+    else:
+        failure = result.failures[0]
+        assert failure.exitcode == 1
+        assert failure.error_file != "<N/A>"
+        assert "Traceback" in failure.error_file_data["message"]["extraInfo"]["py_callstack"]
+
+
+def test_numa_options_bind_binaries_through_numactl(tmp_path, numa_machine):
+    # A numactl of our own, which records its option and runs the rest.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    numactl = bin_dir / "numactl"
+    numactl.write_text('#!/bin/sh\necho "$1" > "$OUT.$RANK"\nshift\nexec "$@"\n')
+    numactl.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "numactl")}
+    pc = elastic.start_processes(
+        "t",
+        "/bin/true",
+        {0: (), 1: ()},
+        {0: {**env, "RANK": "0"}, 1: {**env, "RANK": "1"}},
+        os.devnull,
+        numa_options=numa_options(),
+    )
+    assert not pc.wait(timeout=60).is_failed()
+    for rank, cpu in ((0, numa_machine[0]), (1, numa_machine[-1])):
+        assert (tmp_path / f"numactl.{rank}").read_text() == f"--physcpubind={cpu}\n"
+    # Without numactl on PATH: torch's requirement, said before anything starts.
+    with pytest.raises(RuntimeError, match="numactl, not found"):
+        elastic.start_processes(
+            "t",
+            "/bin/true",
+            {0: ()},
+            {0: {"PATH": "/nonexistent"}},
+            os.devnull,
+            numa_options=numa_options(),
+        )

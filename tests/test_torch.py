@@ -121,3 +121,59 @@ def test_patched_spawn_context_takes_torchs_arguments(patched, tmp_path):
                 proc.kill()
             proc.join(30)
             proc.close()
+
+
+@pytest.mark.parametrize("allowed", [set(range(12)), set(range(12)) - {1, 5, 9}])
+@pytest.mark.parametrize("mode", ["node", "socket", "exclusive", "core-complex"])
+def test_numa_modes_match_torchs_own(tmp_path, monkeypatch, mode, allowed):
+    # torch.numa.binding's own functions, reading the same sysfs tree and
+    # seeing the same GPUs and allowed CPUs, pick the same CPUs as ours.
+    import os
+
+    from helpers import TWELVE_CPUS_GPUS, twelve_cpus
+
+    from fastspawn import _numa
+
+    binding = pytest.importorskip("torch.numa.binding")
+    root = str(twelve_cpus(tmp_path))
+
+    def in_tree(path):
+        return root + path[len("/sys") :] if str(path).startswith("/sys/") else path
+
+    real_open, real_listdir = open, os.listdir
+    monkeypatch.setattr(
+        binding, "open", lambda p, *a, **k: real_open(in_tree(p), *a, **k), raising=False
+    )
+    monkeypatch.setattr(os, "listdir", lambda p: real_listdir(in_tree(p)))
+    monkeypatch.setattr(
+        binding,
+        "_get_numa_node_index_for_gpu_index",
+        lambda *, gpu_index: TWELVE_CPUS_GPUS[gpu_index],
+    )
+    monkeypatch.setattr(binding, "_get_gpu_count", lambda: len(TWELVE_CPUS_GPUS))
+    monkeypatch.setattr(
+        binding, "_get_allowed_cpu_indices_for_current_thread", lambda: set(allowed)
+    )
+    ours = _numa.Topology(
+        root, TWELVE_CPUS_GPUS.__getitem__, lambda: len(TWELVE_CPUS_GPUS), set(allowed)
+    )
+    options = binding.NumaOptions(affinity_mode=binding.AffinityMode(mode))
+    for gpu in TWELVE_CPUS_GPUS:
+        theirs = binding._get_logical_cpus_to_bind_to(gpu_index=gpu, numa_options=options)
+        assert _numa.cpus_for(mode, gpu, ours) == theirs, gpu
+
+
+def test_torchs_numa_options_say_why_they_cannot_apply(tmp_path):
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    from fastspawn import elastic
+
+    with pytest.raises(RuntimeError, match="numa_options cannot apply"):
+        elastic.start_processes(
+            "t",
+            workers.elastic_add,
+            {0: (1, 2)},
+            {0: {}},
+            str(tmp_path),
+            numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
+        )

@@ -547,3 +547,7 @@ class RunsCode:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.getpid, ())
+
+
+def elastic_affinity() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
