@@ -86,6 +86,13 @@ class ProcessContext:
         group: int = 0,
         watched_groups: Sequence[int] = (),
     ) -> None:
+        if not isinstance(receiver, Receiver):
+            # Not an AttributeError on .fileno() somewhere below.
+            raise TypeError(
+                "fastspawn.ProcessContext(processes, receiver) is made by start_processes; "
+                "torch's ProcessContext(processes, error_files) is "
+                "fastspawn.SpawnContext(processes, error_files)"
+            )
         self.processes = processes
         self._group = group  # process group of the workers (zygote), 0: none
         self._watched_groups = list(watched_groups)  # see LaunchRequest

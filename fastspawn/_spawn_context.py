@@ -4,7 +4,8 @@ the shapes it is called with.
 fastspawn's own ``SpawnContext(processes, receiver)`` is a ProcessContext.
 Code written against torch calls ``SpawnContext(processes, error_files)``:
 ``multiprocessing.Process`` objects it started itself and, per rank, the
-path torch's worker wrapper pickles a traceback to.  That call gets a
+path torch's worker wrapper pickles a traceback to (before torch 1.12, a
+SimpleQueue it puts the traceback on).  That call gets a
 :class:`StartedProcessesContext`, which joins those processes as torch's
 ProcessContext does.
 """
@@ -95,6 +96,19 @@ def read_traceback(path: str | None) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def rank_traceback(source: Any) -> str | None:
+    """The traceback a rank left in ``source``: a path (see
+    :func:`read_traceback`), or an error queue as torch used before 1.12
+    (anything with ``empty()`` and ``get()``), or None."""
+    if source is None or isinstance(source, (str, os.PathLike)):
+        return read_traceback(None if source is None else os.fspath(source))
+    if callable(getattr(source, "empty", None)) and callable(getattr(source, "get", None)):
+        value = None if source.empty() else source.get()
+        return value if isinstance(value, str) else None
+    log.warning("error source %r is neither a file path nor a queue: not read", source)
+    return None
+
+
 class StartedProcessesContext(SpawnContext):
     """What ``SpawnContext(processes, error_files)`` gives: a context over
     started ``multiprocessing.Process`` objects (or any with their
@@ -113,14 +127,14 @@ class StartedProcessesContext(SpawnContext):
 
     Attributes:
         processes: the processes, by rank.
-        error_files: the error file of each rank (None: none).
+        error_files: each rank's error file (None: none), or error queue.
         sentinels: ``{sentinel: rank}`` of the processes not yet joined.
     """
 
     def __init__(
         self,
         processes: Sequence[Any],
-        error_files: Sequence[str | None] | None,
+        error_files: Sequence[Any] | None,
         daemon: bool = False,
     ) -> None:
         # Not ProcessContext.__init__: there is no launch channel here, and
@@ -178,7 +192,7 @@ class StartedProcessesContext(SpawnContext):
             return not self.sentinels
         self._stop_all(grace_period)
         proc = self.processes[failed]
-        traceback = read_traceback(self.error_files[failed])
+        traceback = rank_traceback(self.error_files[failed])
         if traceback is not None:
             raise raised_exception(failed, proc.pid, traceback)
         code = proc.exitcode

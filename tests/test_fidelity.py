@@ -466,6 +466,35 @@ def spawn_context_read(path):
     return read_traceback(str(path))
 
 
+def test_spawn_context_with_error_queues_of_older_torch(mp_processes, mp_context):
+    queues = [mp_context.SimpleQueue() for _ in range(2)]
+    processes = [
+        mp_context.Process(
+            target=workers.torch_style_wrap_queue, args=(workers.raise_on, rank, (0,), queues[rank])
+        )
+        for rank in range(2)
+    ]
+    for proc in processes:
+        proc.start()
+        mp_processes.append(proc)
+    try:
+        with pytest.warns(UserWarning):
+            ctx = fastspawn.SpawnContext(processes, queues)
+        with pytest.raises(
+            fastspawn.ProcessRaisedException,
+            match="\nValueError: legitimate exception from process 0",
+        ):
+            join_all(ctx)
+    finally:
+        for queue in queues:
+            queue.close()
+
+
+def test_process_context_of_torchs_shape_says_where_to_go():
+    with pytest.raises(TypeError, match=r"is fastspawn.SpawnContext\(processes, error_files\)"):
+        fastspawn.ProcessContext([], [])
+
+
 def test_spawn_context_torch_shaped_bad_arguments():
     proc = multiprocessing.get_context("fork").Process(target=sys.exit)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="has no sentinel"):

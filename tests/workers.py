@@ -551,3 +551,14 @@ class RunsCode:
 
 def elastic_affinity() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+def torch_style_wrap_queue(fn: Any, rank: int, args: tuple[Any, ...], error_queue: Any) -> None:
+    """torch's wrapper before 1.12: the traceback goes on ``error_queue``."""
+    try:
+        fn(rank, *args)
+    except Exception:
+        import traceback
+
+        error_queue.put(traceback.format_exc())
+        sys.exit(1)
