@@ -148,7 +148,7 @@ def test_spawn_start_method_none_is_the_default_without_a_warning():
     assert {ppid for _pid, ppid in ctx.return_values.values()} == {zygote}
 
 
-def test_elastic_start_method_none_is_the_default(tmp_path):
+def test_elastic_start_method_none_is_multiprocessings_default(tmp_path):
     ctx = elastic.start_processes(
         "t", workers.elastic_add, {0: (1, 2)}, {0: {}}, str(tmp_path), start_method=None
     )
