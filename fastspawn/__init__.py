@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "ENV_VAR_PARALLEL_START": "fastspawn._context",
     "ProcessContext": "fastspawn._context",
-    "SpawnContext": "fastspawn._context",
+    "SpawnContext": "fastspawn._spawn_context",
     "spawn": "fastspawn._context",
     "start_processes": "fastspawn._context",
     "ProcessException": "fastspawn._errors",
@@ -71,7 +71,6 @@ if TYPE_CHECKING:
     from fastspawn._context import (
         ENV_VAR_PARALLEL_START,
         ProcessContext,
-        SpawnContext,
         spawn,
         start_processes,
     )
@@ -81,6 +80,7 @@ if TYPE_CHECKING:
         ProcessRaisedException,
     )
     from fastspawn._process import Process
+    from fastspawn._spawn_context import SpawnContext
     from fastspawn._torch import patch_torch, unpatch_torch
     from fastspawn._zygote_client import preload
     from fastspawn._zygote_client import stop_server as stop_zygote

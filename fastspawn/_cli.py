@@ -616,7 +616,8 @@ def run_attempt(
         assert result is not None
         if not result.is_failed():
             return 0
-        local, failure = min(result.failures.items())
+        # The first failure comes first; the ranks stopped after it follow.
+        local, failure = next(iter(result.failures.items()))
         print(describe(failure, config.global_rank(local)), file=sys.stderr)
         # Inside the try: a signal while the other ranks stop is handled
         # as one while they run.

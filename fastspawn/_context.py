@@ -22,7 +22,8 @@ from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
     ProcessExitedException,
     ProcessRaisedException,
-    signal_name,
+    exited_exception,
+    raised_exception,
 )
 from fastspawn._methods import registry
 from fastspawn._methods.base import StartMethod
@@ -86,6 +87,13 @@ class ProcessContext:
         group: int = 0,
         watched_groups: Sequence[int] = (),
     ) -> None:
+        if not isinstance(receiver, Receiver):
+            # Not an AttributeError on .fileno() somewhere below.
+            raise TypeError(
+                "fastspawn.ProcessContext(processes, receiver) is made by start_processes; "
+                "torch's ProcessContext(processes, error_files) is "
+                "fastspawn.SpawnContext(processes, error_files)"
+            )
         self.processes = processes
         self._group = group  # process group of the workers (zygote), 0: none
         self._watched_groups = list(watched_groups)  # see LaunchRequest
@@ -376,25 +384,10 @@ class ProcessContext:
         proc = self.processes[rank]
         tb = self._receiver.reports.errors.get(rank)
         if tb is not None:
-            msg = f"\n\n-- Process {rank:d} terminated with the following error:\n" + tb
-            return ProcessRaisedException(msg, rank, proc.pid)
+            return raised_exception(rank, proc.pid, tb)
         code = proc.exitcode
         assert code is not None
-        if code < 0:
-            name = signal_name(-code)
-            return ProcessExitedException(
-                f"process {rank:d} terminated with signal {name}",
-                error_index=rank,
-                error_pid=proc.pid,
-                exit_code=code,
-                signal_name=name,
-            )
-        return ProcessExitedException(
-            f"process {rank:d} terminated with exit code {code:d}",
-            error_index=rank,
-            error_pid=proc.pid,
-            exit_code=code,
-        )
+        return exited_exception(rank, proc.pid, code)
 
     @property
     def return_values(self) -> dict[int, Any]:
@@ -477,14 +470,6 @@ class ProcessContext:
             self._end(signal.SIGTERM if self.daemon else None)
         finally:
             self._join_lock.release()
-
-
-class SpawnContext(ProcessContext):
-    """Deprecated alias of :class:`ProcessContext`, as in torch."""
-
-    def __init__(self, processes: list[Process], receiver: Receiver, daemon: bool = False) -> None:
-        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
-        super().__init__(processes, receiver, daemon)
 
 
 def _forget_in_child() -> None:
@@ -666,7 +651,7 @@ def start_processes(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = DEFAULT_START_METHOD,
+    start_method: str | None = DEFAULT_START_METHOD,
     *,
     envs: Mapping[int, Mapping[str, str]] | None = None,
     preload: Sequence[str] | None = None,
@@ -684,7 +669,9 @@ def start_processes(
             terminated rather than waited for.
         start_method: ``"zygote"`` (default: spawn-safe workers forked from
             a clean fastspawn process), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"`` (served by the zygote).
+            ``"forkserver"`` (served by the zygote); ``None``, as in torch,
+            the method multiprocessing uses by default (``"fork"`` on Linux
+            before Python 3.14).
         envs: ``{rank: {VAR: value}}`` set in that rank before ``fn`` runs.
         preload: modules the zygote imports before forking this launch
             (zygote and forkserver only; see also :func:`fastspawn.preload`).
@@ -722,7 +709,7 @@ def start_processes(
     checked_envs = _check_envs(envs, nprocs)
     preload_list = _check_preload(preload, method)
     if method.pickles_arguments:
-        problem = describe_unpicklable(fn, args, start_method)
+        problem = describe_unpicklable(fn, args, method.name)
         if problem is not None:
             raise pickle.PicklingError(problem)
     if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
@@ -754,15 +741,17 @@ def spawn(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = DEFAULT_START_METHOD,
+    start_method: str | None = DEFAULT_START_METHOD,
     **kwargs: Any,
 ) -> ProcessContext:
     """Like :func:`start_processes`, always with a spawn-safe start method.
 
-    ``"zygote"`` (the default) and ``"spawn"`` are taken as they are; any
-    other ``start_method`` warns (FutureWarning, as torch does) and the zygote
-    is used.
+    ``"zygote"`` (the default, also what ``None`` means) and ``"spawn"``
+    are taken as they are; any other ``start_method`` warns (FutureWarning,
+    as torch does) and the zygote is used.
     """
+    if start_method is None:
+        start_method = registry.DEFAULT
     if start_method not in [m.name for m in registry.methods() if m.spawn_accepts]:
         msg = (
             f"This method only supports start_method=spawn (got: {start_method}).\n"

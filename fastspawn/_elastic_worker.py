@@ -13,6 +13,10 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from fastspawn._numa import NumaBinding
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
@@ -58,10 +62,15 @@ def _write_error_json(path: str, exc: BaseException) -> None:
 
 
 def run_function(
-    rank: int, entrypoint: Callable[..., Any], args: Mapping[int, Sequence[Any]]
+    rank: int,
+    entrypoint: Callable[..., Any],
+    args: Mapping[int, Sequence[Any]],
+    numa: NumaBinding | None = None,
 ) -> Any:
-    """Call ``entrypoint(*args[rank])``; on an exception write the error file
-    first, then let the core report it.
+    """Bind this rank to its CPUs (``numa``), then call
+    ``entrypoint(*args[rank])``; on an exception (a failed binding's too, as
+    torch records it) write the error file first, then let the core report
+    it.
 
     Only the rank writes it: a child the rank forked (``os.fork()`` in the
     entrypoint) that raises out of it is not the rank, and the rank's own
@@ -69,6 +78,8 @@ def run_function(
     """
     rank_pid = os.getpid()
     try:
+        if numa is not None:
+            numa.bind_rank(rank)
         return entrypoint(*args[rank])
     except Exception as exc:
         if os.getpid() == rank_pid:

@@ -66,3 +66,30 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"<Unknown signal {signum}>"
+
+
+def raised_exception(rank: int, pid: int, traceback: str) -> ProcessRaisedException:
+    """What join raises for a rank that raised: torch's heading, then the
+    rank's formatted traceback."""
+    msg = f"\n\n-- Process {rank:d} terminated with the following error:\n" + traceback
+    return ProcessRaisedException(msg, rank, pid)
+
+
+def exited_exception(rank: int, pid: int, exit_code: int) -> ProcessExitedException:
+    """What join raises for a rank that exited non-zero (``exit_code`` > 0)
+    or was killed (``exit_code``: minus the signal number)."""
+    if exit_code < 0:
+        name = signal_name(-exit_code)
+        return ProcessExitedException(
+            f"process {rank:d} terminated with signal {name}",
+            error_index=rank,
+            error_pid=pid,
+            exit_code=exit_code,
+            signal_name=name,
+        )
+    return ProcessExitedException(
+        f"process {rank:d} terminated with exit code {exit_code:d}",
+        error_index=rank,
+        error_pid=pid,
+        exit_code=exit_code,
+    )

@@ -42,12 +42,77 @@ class _Console:
         self.open_line: _Stream | None = None
 
 
+class LineFilter:
+    """One file that gets, from every stream given it, each line containing
+    any of ``needles``, with that stream's prefix: torch's
+    ``duplicate_stdout_filters`` / ``duplicate_stderr_filters``.  Lines end
+    where a text file's lines do (``\n``, ``\r\n`` or ``\r``), since
+    torch reads them back from the log file as text.
+
+    The Tee it is given to owns ``file`` and closes it.  A write that fails
+    is warned about once; the file is dropped, the ranks' output goes on.
+    """
+
+    def __init__(self, file: BinaryIO, needles: list[str]) -> None:
+        self.file: BinaryIO | None = file
+        self.needles = [needle.encode() for needle in needles]
+
+    def write(self, prefix: bytes, lines: list[bytes]) -> None:
+        if self.file is None:
+            return
+        out = [prefix + line + b"\n" for line in lines if any(n in line for n in self.needles)]
+        if not out:
+            return
+        try:
+            self.file.write(b"".join(out))
+            self.file.flush()
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "cannot write the filtered copy %s (%s): no more lines are written to it",
+                _name(self.file),
+                exc,
+            )
+            self.close()
+
+    def close(self) -> None:
+        file, self.file = self.file, None
+        if file is not None:
+            try:
+                file.close()
+            except (OSError, ValueError):
+                pass
+
+
+def _text_lines(data: bytes, final: bool) -> tuple[list[bytes], bytes]:
+    """``data`` cut into lines as a text file reads them (each without its
+    ending), and the rest: an unfinished line, or a ``\r`` a ``\n`` may
+    still follow (none when ``final``; nor once it is PARTIAL_MAX long)."""
+    parts = data.splitlines(keepends=True)
+    rest = b""
+    if parts and not final and (parts[-1].endswith(b"\r") or not parts[-1].endswith(b"\n")):
+        rest = parts.pop()
+        if len(rest) >= PARTIAL_MAX:
+            parts.append(rest)
+            rest = b""
+    lines = []
+    for part in parts:
+        if part.endswith(b"\r\n"):
+            part = part[:-2]
+        elif part.endswith((b"\n", b"\r")):
+            part = part[:-1]
+        lines.append(part)
+    return lines, rest
+
+
 @dataclass(eq=False)  # compared and hashed by identity: kept in a set
 class _Stream:
     fd: int
     log: BinaryIO | None
     console: _Console
     prefix: bytes
+    # Where its lines that match go too, and what of them is not a line yet.
+    filtered: LineFilter | None = None
+    filter_rest: bytes = b""
     # Bytes after the last newline, not shown on the console yet.
     partial: bytearray = field(default_factory=bytearray)
     # When the oldest byte of ``partial`` arrived (time.monotonic()).
@@ -100,14 +165,30 @@ class Tee:
         self._streams: dict[int, _Stream] = {}
         self._consoles: dict[str, _Console] = {}
         self._held: set[_Stream] = set()  # streams with a non-empty partial
+        self._filters: list[LineFilter] = []  # owned: closed with the streams
         self._thread: threading.Thread | None = None
         # For join(): bumped by the thread after each read and console
         # write; _console_busy is True while it sits in a console write.
         self._progress = 0
         self._console_busy = False
 
-    def add(self, fd: int, log: BinaryIO | None, console: str, prefix: str) -> None:
-        """Watch read end ``fd``; ``console`` is ``"stdout"`` or ``"stderr"``.
+    def add_filter(self, file: BinaryIO, needles: list[str]) -> LineFilter:
+        """A :class:`LineFilter` writing to ``file`` (taken over: closed with
+        the Tee), for :meth:`add` to copy matching lines to."""
+        line_filter = LineFilter(file, needles)
+        self._filters.append(line_filter)
+        return line_filter
+
+    def add(
+        self,
+        fd: int,
+        log: BinaryIO | None,
+        console: str,
+        prefix: str,
+        filtered: LineFilter | None = None,
+    ) -> None:
+        """Watch read end ``fd``; ``console`` is ``"stdout"`` or ``"stderr"``;
+        lines that ``filtered`` matches are copied there too.
 
         ``fd`` and ``log`` are taken over, even when this raises: closed at
         EOF, or by :meth:`close`."""
@@ -122,7 +203,7 @@ class Tee:
                     log.close()
                 raise
         # Recorded first, so that close() releases them if epoll_ctl fails.
-        self._streams[token] = _Stream(fd, log, target, prefix.encode())
+        self._streams[token] = _Stream(fd, log, target, prefix.encode(), filtered)
         self._waiter.add(fd, token)
 
     def start(self) -> None:
@@ -131,7 +212,7 @@ class Tee:
             start_quiet_thread(thread)
             self._thread = thread
         else:
-            self._waiter.close()
+            self._release()
 
     def close(self) -> None:
         """Release every pipe, log file and the epoll set without reading
@@ -150,6 +231,9 @@ class Tee:
         for stream in streams:
             os.close(stream.fd)
             self._close_log(stream)
+        filters, self._filters = self._filters, []
+        for line_filter in filters:
+            line_filter.close()
         self._waiter.close()
 
     # ------------------------------------------------------------ thread
@@ -198,6 +282,7 @@ class Tee:
             return
         # The log first: a console write may block (a paused terminal).
         self._write_log(stream, data)
+        self._filter(stream, data, final=False)
         self._take(stream, data)
 
     def _write_log(self, stream: _Stream, data: bytes) -> None:
@@ -214,6 +299,14 @@ class Tee:
                 exc,
             )
             self._close_log(stream)
+
+    def _filter(self, stream: _Stream, data: bytes, final: bool) -> None:
+        """Copy the lines of ``data`` that its filter matches (``final``: the
+        stream ended, its last line is one too)."""
+        if stream.filtered is None:
+            return
+        lines, stream.filter_rest = _text_lines(stream.filter_rest + data, final)
+        stream.filtered.write(stream.prefix, lines)
 
     def _close_log(self, stream: _Stream) -> None:
         file, stream.log = stream.log, None
@@ -259,6 +352,7 @@ class Tee:
 
     def _end(self, token: int, stream: _Stream) -> None:
         """EOF: show the last, unterminated line, and release the stream."""
+        self._filter(stream, b"", final=True)
         if stream.partial:
             text = bytes(stream.partial) + b"\n"
             stream.partial.clear()

@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any
 
-from fastspawn import _context, _errors, _zygote_client
+from fastspawn import _context, _errors, _spawn_context, _zygote_client
 
 # What patch_torch() rebinds in torch.multiprocessing, by the names torch
 # gives them (each of ours bears the same name).
@@ -16,7 +16,7 @@ _NAMES: dict[str, Any] = {
         _context.spawn,
         _context.start_processes,
         _context.ProcessContext,
-        _context.SpawnContext,
+        _spawn_context.SpawnContext,
         _errors.ProcessException,
         _errors.ProcessRaisedException,
         _errors.ProcessExitedException,

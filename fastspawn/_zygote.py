@@ -646,14 +646,22 @@ class _Zygote:
     def in_worker(
         self, spec: _worker.ForkSpec, rank: int, group: int, stdio: _LaunchStdio
     ) -> NoReturn:
-        """A freshly forked rank: leave the zygote's ways, become the worker."""
-        if group:
-            # Set in both processes, as shells do, so that neither order of
-            # running leaves a gap.
-            os.setpgid(0, group)
-        _in_worker(self.user_handlers)
-        rank_stdio, unused = stdio.for_rank(rank)
-        _worker.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
+        """A freshly forked rank: leave the zygote's ways, become the worker.
+        Never returns into the zygote's loop: a handler of the user's that
+        raises may run as _in_worker lets the signals through, before the
+        worker's own handling starts."""
+        try:
+            if group:
+                # Set in both processes, as shells do, so that neither order
+                # of running leaves a gap.
+                os.setpgid(0, group)
+            _in_worker(self.user_handlers)
+            rank_stdio, unused = stdio.for_rank(rank)
+            _worker.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
+        except BaseException:
+            _worker.print_exc()
+        finally:
+            os._exit(1)
 
     def receive_fds(self, count: int) -> list[int]:
         """Read ``count`` fds from the messages (MAX_FDS at most each) that

@@ -27,14 +27,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, BinaryIO
 
-from fastspawn import _context, _launch, _limits
+from fastspawn import _context, _launch, _limits, _numa
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
-from fastspawn._errors import ProcessException, signal_name
+from fastspawn._errors import ProcessException
 from fastspawn._methods import registry
 from fastspawn._process import checked_seconds
-from fastspawn._tee import Tee
+from fastspawn._tee import LineFilter, Tee
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,13 @@ __all__ = [
 
 _NOT_AVAILABLE = "<N/A>"
 _EMPTY_ERROR_DATA = {"message": "<NONE>"}
+# torch's ProcessFailure.message for a rank that exited (not signalled)
+# without an error file; users and tests match it byte for byte.
+_NO_ERROR_FILE_MESSAGE = (
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+)
+# ... and what torch adds to its error_file_data then.
+_NO_ERROR_FILE_TRAITS = {"category": "system_terminated_error", "retryability": "False"}
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 # The contexts started and not yet closed, and for each one that was live
@@ -181,10 +189,10 @@ class ProcessFailure:
                     f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
                 )
             else:
-                self.message = (
-                    f"{_EMPTY_ERROR_DATA['message']}: rank {self.local_rank} exited with code "
-                    f"{self.exitcode} and wrote no error file"
-                )
+                # torch's words: sys.exit(), os._exit() or a binary that
+                # records nothing; exitcode says the rest.
+                self.error_file_data["errorTraits"] = dict(_NO_ERROR_FILE_TRAITS)
+                self.message = _NO_ERROR_FILE_MESSAGE
 
     def _read_error_file(self) -> None:
         # O_NOFOLLOW: a link put there since the check above is not followed.
@@ -199,8 +207,20 @@ class ProcessFailure:
             self.timestamp = int(message["extraInfo"]["timestamp"])
         self.error_file_data = data
 
+    def timestamp_isoformat(self) -> str:
+        """``timestamp`` as local time, ``YYYY-MM-DD_HH:MM:SS`` (what torch's
+        ``ChildFailedError`` shows)."""
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
     def signal_name(self) -> str:
-        return signal_name(-self.exitcode) if self.exitcode < 0 else _NOT_AVAILABLE
+        """``SIGSEGV`` for a rank killed by signal 11; ``<N/A>`` for one
+        that exited, or died by a signal without a name (as in torch)."""
+        if self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                pass
+        return _NOT_AVAILABLE
 
 
 @dataclass
@@ -260,6 +280,13 @@ def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
     return path
 
 
+def _remove_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _open_log(path: str) -> int:
     """A new log file, 0600; never one that exists already (another rank's,
     an earlier attempt's, or a link someone planted: O_EXCL does not follow
@@ -299,8 +326,11 @@ class LogsDest:
     ``os.devnull`` to discard.  ``tee_stdouts``/``tee_stderrs``: the ranks
     whose stream is also shown on the console, prefixed, mapped to the same
     path as in ``stdouts``/``stderrs`` (``os.devnull`` shows nothing).
-    ``error_files``: where each rank's error file goes.  The filtered files
-    are accepted and not written.
+    ``error_files``: where each rank's error file goes.
+    ``filtered_stdout``/``filtered_stderr``: where
+    ``duplicate_stdout_filters``/``duplicate_stderr_filters`` copy the
+    matching lines of the ranks tee'd to the console (``os.devnull``:
+    nowhere).
     """
 
     stdouts: dict[int, str] = field(default_factory=dict)
@@ -393,6 +423,7 @@ class DefaultLogsSpecs(LogsSpecs):
                 dest.tee_stdouts[rank] = dest.tee_stderrs[rank] = os.devnull
                 dest.error_files[rank] = os.devnull
                 envs[rank][ERROR_FILE_ENV] = ""
+            dest.filtered_stdout = dest.filtered_stderr = os.devnull
             return dest
         if self._run_log_dir is None:
             if self._root_log_dir is None:
@@ -452,6 +483,8 @@ class PContext:
         start_method: str,
         log_line_prefixes: Mapping[int, str] | None,
         binary_path: str | None = None,
+        filtered: Mapping[str, tuple[str, Sequence[str]]] | None = None,
+        numa: _numa.NumaBinding | None = None,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -468,6 +501,14 @@ class PContext:
         # The resolved binary (start_processes resolves it before it creates
         # any file); start() resolves it when None.
         self._binary_path = binary_path
+        # "stdout"/"stderr" -> (file, needles): the filtered copy of the
+        # tee'd ranks' lines (torch's duplicate_*_filters), its file made at
+        # start, by it (removed again if the start fails).
+        self.filtered = {
+            console: (path, list(needles)) for console, (path, needles) in (filtered or {}).items()
+        }
+        self._line_filters: dict[str, LineFilter] = {}
+        self.numa = numa  # numa_options, checked: see _numa
         self._ctx: _context.ProcessContext | None = None
         self._tee = Tee()
         self._result: RunProcsResult | None = None
@@ -495,11 +536,13 @@ class PContext:
                 "start_processes called from a thread other than the main one: no "
                 "SignalException handlers installed"
             )
+        made: list[str] = []  # the filtered copies' files this start created
         try:
             if isinstance(self.entrypoint, str) and self._binary_path is None:
                 self._binary_path = _resolve_binary(
                     self.entrypoint, {**os.environ, **self.envs.get(0, {})}
                 )
+            self._open_filters(made)
             stdio, child_fds = self._open_stdio()
             try:
                 self._ctx = _context.launch_context(self._request(stdio))
@@ -511,8 +554,20 @@ class PContext:
             if self._ctx is not None:  # the ranks run, but their output has no reader
                 self.close(signal.SIGKILL)
             self._tee.close()
+            for path in made:
+                _remove_file(path)
             raise
         _live_contexts.add(self)
+
+    def _open_filters(self, made: list[str]) -> None:
+        """Create the filtered copies' files (see ``filtered``), owned by
+        the Tee from then on; append each path made to ``made``."""
+        for console, (path, needles) in self.filtered.items():
+            if not needles or path == os.devnull:
+                continue
+            file = open(_open_log(path), "wb")
+            made.append(path)
+            self._line_filters[console] = self._tee.add_filter(file, needles)
 
     def _prefix(self, rank: int) -> str:
         return self.log_line_prefixes.get(rank, f"[{self.name}{rank}]:")
@@ -543,7 +598,13 @@ class PContext:
                             os.close(read_end)
                             raise
                         # The tee owns read_end and log_file from here on.
-                        self._tee.add(read_end, log_file, console, self._prefix(rank))
+                        self._tee.add(
+                            read_end,
+                            log_file,
+                            console,
+                            self._prefix(rank),
+                            self._line_filters.get(console),
+                        )
                         pair.append(write_end)
                     else:
                         fd = _open_log(path)
@@ -559,18 +620,13 @@ class PContext:
     def _request(self, stdio: dict[int, tuple[int, int]]) -> _launch.LaunchRequest:
         binary: tuple[str, dict[int, list[str]]] | None = None
         if isinstance(self.entrypoint, str):
-            assert self._binary_path is not None, "resolved in start()"
-            argvs = {
-                rank: [self.entrypoint, *(str(a) for a in self.args[rank])]
-                for rank in range(self.nprocs)
-            }
-            binary = (self._binary_path, argvs)
+            binary = self._binary_argvs()
             fn: Callable[..., Any] = exec_binary
             fn_args: tuple[Any, ...] = binary
             method = registry.get(registry.DEFAULT)  # the zygote adopts orphans
         else:
             fn = run_function
-            fn_args = (self.entrypoint, self.args)
+            fn_args = (self.entrypoint, self.args, self.numa)
             method = registry.get(self.start_method)
         return _launch.LaunchRequest(
             fn=fn,
@@ -587,6 +643,21 @@ class PContext:
             binary=binary,
         )
 
+    def _binary_argvs(self) -> tuple[str, dict[int, list[str]]]:
+        """What each binary rank execs: the binary, or numactl running it
+        where the ranks are bound (as torch runs them)."""
+        assert self._binary_path is not None, "resolved in start()"
+        argvs = {
+            rank: [str(self.entrypoint), *(str(a) for a in self.args[rank])]
+            for rank in range(self.nprocs)
+        }
+        if self.numa is None or not self.numa.numactl:
+            return self._binary_path, argvs
+        return self.numa.numactl, {
+            rank: self.numa.wrap_argv(rank, [self._binary_path, *argv[1:]])
+            for rank, argv in argvs.items()
+        }
+
     # -------------------------------------------------------------- wait
 
     def pids(self) -> dict[int, int]:
@@ -602,18 +673,11 @@ class PContext:
         try:
             done = self._ctx.join(timeout=timeout)
         except ProcessException as exc:
-            rank = exc.error_index
-            code = self._ctx.processes[rank].exitcode
-            failure = ProcessFailure(
-                local_rank=rank,
-                pid=exc.error_pid,
-                exitcode=code if code is not None else 1,
-                error_file=self.error_files[rank],
-            )
+            # The other ranks are stopped and every rank is reaped.
             self._tee.join(idle_timeout=5.0)
-            _forget_context(self)  # every rank is reaped
+            _forget_context(self)
             self._result = RunProcsResult(
-                failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
+                failures=self._failures(exc), stdouts=self.stdouts, stderrs=self.stderrs
             )
             return self._result
         if not done:
@@ -622,6 +686,28 @@ class PContext:
         _forget_context(self)
         self._result = self._success()
         return self._result
+
+    def _failures(self, exc: ProcessException) -> dict[int, ProcessFailure]:
+        """The failures to report once ``exc`` (the first rank to fail) ended
+        the run, as torch reports them: that rank alone for function ranks;
+        for binaries also every other rank that did not end with exit code
+        0 (stopped by the SIGTERM that followed the failure, most often:
+        exit code -15)."""
+        assert self._ctx is not None
+        first = self._ctx.processes[exc.error_index]
+        ranks = [first]
+        if isinstance(self.entrypoint, str):
+            ranks += [p for p in self._ctx.processes if p is not first and p.exitcode != 0]
+        failures = {}
+        for proc in ranks:
+            code = proc.exitcode
+            failures[proc.rank] = ProcessFailure(
+                local_rank=proc.rank,
+                pid=proc.pid,
+                exitcode=code if code is not None else 1,
+                error_file=self.error_files[proc.rank],
+            )
+        return failures
 
     def _success(self) -> RunProcsResult:
         """The result once every rank has exited 0."""
@@ -786,12 +872,15 @@ def start_processes(
     args: Mapping[int, Sequence[Any]],
     envs: Mapping[int, Mapping[str, str]],
     log_dir: str | os.PathLike[str] | LogsSpecs | None = None,
-    start_method: str = registry.DEFAULT,
+    start_method: str | None = registry.DEFAULT,
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
     log_line_prefixes: Mapping[int, str] | None = None,
     *,
     logs_specs: LogsSpecs | None = None,
+    duplicate_stdout_filters: Sequence[str] | None = None,
+    duplicate_stderr_filters: Sequence[str] | None = None,
+    numa_options: Any = None,
 ) -> PContext:
     """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
 
@@ -809,8 +898,10 @@ def start_processes(
             files); each rank gets ``{rank}/stdout.log`` and ``stderr.log``
             there for the streams redirected or tee'd, and ``error.json``
             if a function rank fails, created 0600.
-        start_method: for function ranks; binaries always start from the
-            zygote, which adopts and kills what their children leave.
+        start_method: for function ranks (``None``, as in torch: the
+            method multiprocessing uses by default); binaries always start
+            from the zygote, which adopts and kills what their children
+            leave.
         redirects: streams written to the rank's log file.
         tee: streams written to the log file and shown on the console.
         log_line_prefixes: per rank prefix in place of ``[{name}{rank}]:``.
@@ -819,6 +910,21 @@ def start_processes(
             with torch's ``reify(envs) -> LogsDest``).  Ranks without an
             error file in its ``LogsDest`` get an empty
             ``TORCHELASTIC_ERROR_FILE``.
+        duplicate_stdout_filters, duplicate_stderr_filters: as in torch: when
+            not empty, every line of the ranks tee'd to the console that
+            contains any of these strings is also written, with its prefix,
+            to one file for all ranks: the ``LogsDest``'s
+            ``filtered_stdout``/``filtered_stderr`` (with ``log_dir``:
+            ``{log_dir}/filtered_stdout.log``, ``filtered_stderr.log``).
+        numa_options: torch's ``NumaOptions`` (or an object with its
+            ``affinity_mode`` and ``should_fall_back_if_binding_fails``):
+            bind rank ``i`` to the CPUs near GPU ``i`` as torch defines it
+            (see ``fastspawn._numa``); function ranks bind themselves
+            before the function runs, binaries run through ``numactl``.
+            Checked here first: where it cannot apply (no NUMA information,
+            no torch, fewer GPUs than ranks, no ``numactl`` for binaries)
+            ``RuntimeError``, or with ``should_fall_back_if_binding_fails``
+            a warning and no binding.
 
     Raises:
         TypeError: both or neither of ``log_dir`` and ``logs_specs``, or
@@ -832,10 +938,14 @@ def start_processes(
         FileExistsError: a log file the ``LogsDest`` names exists already.
         FileNotFoundError, PermissionError: the binary cannot be found or run.
         ValueError: an unknown ``start_method`` (the message lists the valid
-            ones), or more ranks than the limits on processes or open files
-            allow (the message names the limit).
+            ones), more ranks than the limits on processes or open files
+            allow (the message names the limit), or filters given where the
+            ``LogsDest`` names no filtered file.
+        TypeError: a filter list that is a string, or holds a non-string.
+        RuntimeError: ``numa_options`` cannot apply here (see above).
     """
-    registry.get(start_method)  # before anything is made: an unknown one names the valid ones
+    # Before anything is made: an unknown one names the valid ones.
+    start_method = registry.get(start_method).name
     directory, logs_specs = _checked_log_args(log_dir, logs_specs, redirects, tee)
     nprocs = len(args)
     _limits.check_nprocs(nprocs, f"a launch of {nprocs} ranks (len(args))")
@@ -843,11 +953,19 @@ def start_processes(
     _validate_full_rank(envs, nprocs, "envs")
     if isinstance(redirects, str) or isinstance(tee, str):
         raise TypeError("redirects and tee take Std values or maps; use Std.from_str for strings")
+    filters = {
+        "stdout": _checked_filters(duplicate_stdout_filters, "duplicate_stdout_filters"),
+        "stderr": _checked_filters(duplicate_stderr_filters, "duplicate_stderr_filters"),
+    }
     rank_envs = {rank: {k: str(v) for k, v in envs[rank].items()} for rank in range(nprocs)}
     binary_path = None
+    rank0_env = {**os.environ, **rank_envs.get(0, {})}
     if isinstance(entrypoint, str):
         # Before any file is created: a missing binary leaves nothing behind.
-        binary_path = _resolve_binary(entrypoint, {**os.environ, **rank_envs.get(0, {})})
+        binary_path = _resolve_binary(entrypoint, rank0_env)
+    numa = None
+    if numa_options is not None:
+        numa = _numa.binding(numa_options, nprocs, binary_path, rank0_env)
     rank_dirs: list[str] = []  # created by this call: removed if the start fails
     try:
         dest = _logs_dest(directory, logs_specs, redirects, tee, rank_envs, rank_dirs)
@@ -871,6 +989,8 @@ def start_processes(
             start_method=start_method,
             log_line_prefixes=log_line_prefixes,
             binary_path=binary_path,
+            filtered=_filtered_copies(dest, filters),
+            numa=numa,
         )
         context.start()  # leaves no fd and no rank behind when it fails
     except BaseException:
@@ -878,6 +998,33 @@ def start_processes(
             shutil.rmtree(rank_dir, ignore_errors=True)
         raise
     return context
+
+
+def _checked_filters(filters: Sequence[str] | None, what: str) -> list[str]:
+    """``filters`` as a list of strings (None: none).  A string would be
+    taken one character at a time: refused."""
+    if filters is None:
+        return []
+    if isinstance(filters, (str, bytes)) or not all(isinstance(f, str) for f in filters):
+        raise TypeError(f"{what} takes a list of strings, got {filters!r:.80}")
+    return list(filters)
+
+
+def _filtered_copies(
+    dest: LogsDest, filters: Mapping[str, list[str]]
+) -> dict[str, tuple[str, list[str]]]:
+    """``{"stdout"|"stderr": (file, needles)}`` for the filters given."""
+    copies = {}
+    for console, path in (("stdout", dest.filtered_stdout), ("stderr", dest.filtered_stderr)):
+        if not filters[console]:
+            continue
+        if not path:
+            raise ValueError(
+                f"duplicate_{console}_filters given, but the LogsDest names no "
+                f"filtered_{console} file to copy the matching lines to"
+            )
+        copies[console] = (path, filters[console])
+    return copies
 
 
 def _checked_log_args(
@@ -946,6 +1093,11 @@ def _rank_dirs(
     streams shown on the console only).  Appends each directory it makes
     to ``created``."""
     dest = LogsDest()
+    if log_dir == os.devnull:
+        dest.filtered_stdout = dest.filtered_stderr = os.devnull
+    else:
+        dest.filtered_stdout = os.path.join(log_dir, "filtered_stdout.log")
+        dest.filtered_stderr = os.path.join(log_dir, "filtered_stderr.log")
     for rank in envs:
         if log_dir == os.devnull:
             dest.stdouts[rank] = dest.stderrs[rank] = ""

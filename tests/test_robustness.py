@@ -17,7 +17,7 @@ import workers
 from helpers import alive_after, gone, run_script
 
 import fastspawn
-from fastspawn import _context, _warden_client, _zygote_client, elastic
+from fastspawn import _context, _warden_client, _worker, _zygote_client, elastic
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -856,3 +856,25 @@ def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_m
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
+
+
+def test_a_fork_rank_never_returns_into_the_callers_code(monkeypatch):
+    # A handler of the caller's that raises can run in a "fork" rank as it
+    # lets its signals through, before the worker's own handling starts
+    # (elastic's SignalException, for a stop sent right after another rank
+    # failed).  The rank must end there, not unwind into the caller's code
+    # and go on running it: here, the rest of the test session.
+    def raise_early(*args, **kwargs):
+        raise RuntimeError("raised before the worker took over")
+
+    monkeypatch.setattr(_worker, "forked_child", raise_early)
+    me = os.getpid()
+    try:
+        ctx = fastspawn.start_processes(workers.succeed, start_method="fork", join=False)
+    except BaseException:
+        if os.getpid() != me:
+            os._exit(99)  # a rank unwound into this test
+        raise
+    with pytest.raises(fastspawn.ProcessExitedException, match="exit code 1$"):
+        while not ctx.join(timeout=60):
+            pass

@@ -567,3 +567,64 @@ def module_attribute(rank: int, module: str, name: str) -> str:
     its .name when it has one (a TemporaryDirectory's path)."""
     value = getattr(sys.modules[module], name)
     return str(getattr(value, "name", value))
+
+
+def echo_rank_or_exit(message: str, exitcode: int = 0) -> str:
+    """torch's elastic test function ``echo1``: print ``message`` (each
+    comma-separated part) on stdout and stderr and return it tagged with the
+    ``RANK`` variable, or say so on stderr and ``sys.exit(exitcode)``."""
+    rank = int(os.environ["RANK"])
+    if exitcode:
+        print(f"exit {exitcode} from {rank}", file=sys.stderr)
+        sys.exit(exitcode)
+    for part in message.split(","):
+        print(f"{part} stdout from {rank}")
+        print(f"{part} stderr from {rank}", file=sys.stderr)
+    return f"{message}_{rank}"
+
+
+def elastic_os_exit(code: int) -> None:
+    os._exit(code)
+
+
+def elastic_exit_or_sleep(code: int, seconds: float) -> None:
+    """Exit with ``code`` at once, or (``code`` 0) sleep ``seconds``."""
+    if code:
+        sys.exit(code)
+    time.sleep(seconds)
+
+
+def torch_style_wrap(fn: Any, rank: int, args: tuple[Any, ...], error_file: str) -> None:
+    """What torch's spawn runs in each process it starts: ``fn(rank, *args)``,
+    and on an exception its traceback pickled to ``error_file``, exit 1."""
+    try:
+        fn(rank, *args)
+    except Exception:
+        import pickle
+        import traceback
+
+        with open(error_file, "wb") as f:
+            pickle.dump(traceback.format_exc(), f)
+        sys.exit(1)
+
+
+class RunsCode:
+    """Unpickling this runs ``os.getpid()``: a stand-in for a planted pickle."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.getpid, ())
+
+
+def elastic_affinity() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def torch_style_wrap_queue(fn: Any, rank: int, args: tuple[Any, ...], error_queue: Any) -> None:
+    """torch's wrapper before 1.12: the traceback goes on ``error_queue``."""
+    try:
+        fn(rank, *args)
+    except Exception:
+        import traceback
+
+        error_queue.put(traceback.format_exc())
+        sys.exit(1)

@@ -46,8 +46,7 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
             with held:  # from the fork until the worker is in ``started``
                 pid = _fork(rank)
                 if pid == 0:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
-                    _in_worker(spec, rank, group, req.stdio.get(rank))
+                    _in_worker(spec, rank, group, req.stdio.get(rank), held.previous)
                 if group:
                     try:
                         os.setpgid(pid, group)
@@ -76,8 +75,18 @@ def _fork(rank: int) -> int:
 
 
 def _in_worker(
-    spec: _worker.ForkSpec, rank: int, group: int, stdio: tuple[int, int] | None
+    spec: _worker.ForkSpec,
+    rank: int,
+    group: int,
+    stdio: tuple[int, int] | None,
+    mask: set[int | signal.Signals],
 ) -> NoReturn:
+    """A freshly forked rank, its signals still held: join the group, let
+    the signals through (``mask``: the caller's), become the worker.  Never
+    returns into the caller's code: a handler the caller installed (one
+    that raises, as fastspawn.elastic's SignalException does) runs as the
+    signals are let through, before the worker's own handling starts, when
+    a signal came early (a stop right after another rank failed)."""
     # Set in both processes, as shells do, so that neither order of running
     # leaves a gap.
     if group:
@@ -85,7 +94,13 @@ def _in_worker(
             os.setpgid(0, group)
         except OSError:
             pass  # the parent did; or a stranger reaped the anchor
-    _worker.forked_child(spec, rank, stdio)
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        _worker.forked_child(spec, rank, stdio)
+    except BaseException:
+        _worker.print_exc()
+    finally:
+        os._exit(1)
 
 
 METHOD = Fork()

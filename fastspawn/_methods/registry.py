@@ -38,8 +38,37 @@ def names() -> list[str]:
     return list(_methods)
 
 
+def multiprocessing_default() -> str:
+    """The name of the start method multiprocessing uses when given none:
+    the one set with ``set_start_method``, else the platform's default (the
+    first of ``get_all_start_methods()``).  Read without fixing it, which
+    ``multiprocessing.get_start_method()`` would do."""
+    import multiprocessing
+
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or (multiprocessing.get_all_start_methods()[0])
+    )
+
+
 def get(name: object) -> StartMethod:
-    """The method called ``name``; ValueError naming the valid ones if none is."""
+    """The method called ``name``.
+
+    ``None`` means what it means to torch, which hands it to
+    ``multiprocessing.get_context``: the method multiprocessing would use
+    by default (see :func:`multiprocessing_default`), so that objects made
+    from ``multiprocessing.get_context(None)`` (a fork context's queue, say)
+    work in the workers; fastspawn's ``DEFAULT`` where it has no method of
+    that name.
+
+    Raises:
+        ValueError: no method is called ``name``; the message names the
+            valid ones.
+    """
+    if name is None:
+        name = multiprocessing_default()
+        if name not in _methods:
+            name = DEFAULT
     method = _methods.get(name) if isinstance(name, str) else None
     if method is None:
         raise ValueError(
