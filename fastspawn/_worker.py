@@ -139,7 +139,7 @@ def run(
         code = 1
     if code == 0 and not signum:
         try:
-            body = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+            body = _pickling.dumps_result(value)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
             _report(tx, channel, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
