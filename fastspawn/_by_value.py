@@ -7,8 +7,9 @@ function pickled by reference, as ``pickle`` does, names an attribute its
 ``__main__`` lacks.  Here those functions, lambdas and classes (and so
 instances of them) travel by value, with what they refer to (the globals
 they use, their closures and defaults), through cloudpickle; everything
-else keeps travelling by reference.  A function redefined in a re-run cell
-is sent anew at the next launch: nothing is cached in the zygote.
+importable keeps travelling by reference.  A function redefined in a
+re-run cell is sent anew at the next launch: nothing is cached in the
+zygote.
 
 This module is imported only when ``__main__`` is of that kind
 (_pickling.main_is_importable): cloudpickle then loads in the caller, and
@@ -18,6 +19,7 @@ ordinary launch never imports it.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Iterator
 from multiprocessing import reduction
@@ -27,14 +29,14 @@ import cloudpickle
 
 
 class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle's pickler, by value only for the functions and classes
-    whose ``__module__`` is ``__main__``, with multiprocessing's reducers
-    (connections, sockets: the fds they carry) as ForkingPickler has them.
+    """cloudpickle's pickler, with multiprocessing's reducers (connections,
+    sockets: the fds they carry) as ForkingPickler has them.
 
-    cloudpickle alone would also send by value a lambda or nested function
-    of an importable module; those stay an error before the launch, as with
-    an importable ``__main__``, so that what pickles does not depend on how
-    the caller was started."""
+    cloudpickle sends by value the functions and classes of ``__main__``,
+    and those that cannot be found under their name in their module: a
+    lambda, a nested function, and a wrapper a notebook puts in place of
+    a builtin (IPython's ``open``, which every cell function that opens a
+    file refers to, names ``io.open`` but is not it).  The rest by name."""
 
     def __init__(self, file: Any, protocol: int) -> None:
         super().__init__(file, protocol)
@@ -45,18 +47,17 @@ class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             **reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
         }
 
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)) and (
-            _of_main(obj) or getattr(obj, "__module__", None) == "builtins"
-        ):
-            # The builtins: types pickle cannot name (CodeType, for the
-            # code of a function sent by value), which cloudpickle does.
-            return super().reducer_override(obj)
-        return NotImplemented
 
-
-def _of_main(obj: Any) -> bool:
-    return getattr(obj, "__module__", None) == "__main__"
+def _by_value(obj: Any) -> bool:
+    """Whether a function or class travels by value (see Pickler): it is
+    of ``__main__``, or its module has something else under its name."""
+    module = getattr(obj, "__module__", None)
+    if module == "__main__":
+        return True
+    found: Any = sys.modules.get(module or "")
+    for part in getattr(obj, "__qualname__", "").split("."):
+        found = getattr(found, part, None)
+    return found is not obj
 
 
 # ------------------------------------------------ naming what cannot travel
@@ -104,16 +105,16 @@ def _container_parts(obj: Any) -> Iterator[tuple[str, Any]]:
 
 def _parts(obj: Any) -> Iterator[tuple[str, Any]]:
     """What pickling ``obj`` by value pickles in turn, each with where it
-    sits: a ``__main__`` function's globals, closure and defaults, a
-    ``__main__`` class's attributes, the attributes of an instance of one,
-    a container's items."""
+    sits: the globals, closure and defaults of a function sent by value,
+    the attributes of a class sent by value and of an instance of one, a
+    container's items."""
     if isinstance(obj, types.FunctionType):
-        if _of_main(obj):
+        if _by_value(obj):
             yield from _function_parts(obj)
     elif isinstance(obj, type):
-        if _of_main(obj):
+        if _by_value(obj):
             yield from _class_parts(obj)
-    elif _of_main(type(obj)) and isinstance(getattr(obj, "__dict__", None), dict):
+    elif _by_value(type(obj)) and isinstance(getattr(obj, "__dict__", None), dict):
         for key, value in vars(obj).items():
             yield f"attribute {key!r} of a {type(obj).__qualname__}", value
     else:

@@ -60,18 +60,16 @@ class FdCollector:
 
 
 def main_is_importable() -> bool:
-    """Whether the workers import the caller's ``__main__`` (as
-    ``__mp_main__``), so that what it defines is found there by name: the
-    same decision multiprocessing's ``spawn.prepare`` takes (see also
-    _worker.preparation_data).  Not for a notebook or the interactive
-    prompt (no ``__file__``), ``python -c`` and stdin (no file), a script
-    deleted since, nor ``python -m pkg`` (``pkg.__main__`` is never
-    imported by a child).  A few attribute reads and one stat: every
-    launch asks."""
+    """Whether ``__main__`` is a module the workers can import (as
+    ``__mp_main__``, when they prepare as multiprocessing's spawn children
+    do; see also _worker.preparation_data), so that what it defines is
+    found there by name.  Not for a notebook or the interactive prompt (no
+    ``__file__``), ``python -c`` and stdin (no file), nor a script deleted
+    since.  (``python -m pkg`` counts as importable, as multiprocessing
+    takes it.)  A few attribute reads and one stat: every launch asks."""
     main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if name is not None:
-        return bool(name != "__main__" and not name.endswith(".__main__"))
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return True
     path = getattr(main, "__file__", None)
     if not isinstance(path, str):
         return False
