@@ -290,6 +290,17 @@ def test_an_unpicklable_global_is_named_before_anything_starts(tmp_path):
         assert stdout(cell).strip() == "children: []", method  # not even a zygote
 
 
+def test_the_example_notebook_runs(tmp_path):
+    example = Path(__file__).parent.parent / "examples" / "notebook.ipynb"
+    notebook = json.loads(example.read_text())
+    cells = ["".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code"]
+    outputs = run_notebook(tmp_path, cells)
+    for cell in outputs:
+        no_error(cell)
+    launched = stdout(outputs[1])  # the cell after the definitions
+    assert "rank 3: pid" in launched and launched.rstrip().endswith("True"), launched
+
+
 SLEEPER = """
 import os, time
 import fastspawn
