@@ -39,13 +39,15 @@ class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     file refers to, names ``io.open`` but is not it).  The rest by name."""
 
     def __init__(self, file: Any, protocol: int) -> None:
-        super().__init__(file, protocol)
         # cloudpickle's reducers (code objects, cells, modules, ...: what a
         # function's state holds), then copyreg's, then multiprocessing's.
+        # Set before the C pickler's __init__, which reads it then: after,
+        # this would only shadow cloudpickle's class attribute, unread.
         self.dispatch_table = {
             **cloudpickle.Pickler.dispatch_table,
             **reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
         }
+        super().__init__(file, protocol)
 
 
 def _by_value(obj: Any) -> bool:

@@ -84,6 +84,27 @@ def test_functions_lambdas_closures_and_classes_run_under_every_method(way, star
     assert "Traceback" not in done.stderr, done.stderr
 
 
+CARRIES_FDS = """\
+import os, multiprocessing
+import fastspawn
+reader, writer = multiprocessing.Pipe(duplex=False)
+def send(rank, conn):
+    conn.send(rank * 10)
+method = os.environ["FASTSPAWN_TEST_METHOD"]
+fastspawn.start_processes(send, args=(writer,), nprocs=2, start_method=method)
+print("received:", sorted(reader.recv() for _ in range(2)))
+"""
+
+
+def test_connections_still_carry_their_fds(start_method):
+    # multiprocessing's reducers (fds passed to the workers) apply in the
+    # by-value pickler too.
+    done = run_program(
+        [sys.executable, "-c", CARRIES_FDS], None, FASTSPAWN_TEST_METHOD=start_method
+    )
+    assert done.stdout.strip() == "received: [0, 10]", done.stdout + done.stderr
+
+
 UNPICKLABLE = """\
 import os, threading, psutil
 import fastspawn
