@@ -661,7 +661,8 @@ def start_processes(
 
     Args:
         fn: the function; for spawn-like start methods it must be picklable
-            (defined at module top level).
+            (defined at module top level, or in a notebook, the interactive
+            prompt, ``python -c`` or stdin, whence it travels by value).
         args: extra positional arguments, a tuple or list.
         nprocs: number of processes; -1 means one per CPU this process may use.
         join: block until all succeed or one fails (then raise).

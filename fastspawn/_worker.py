@@ -152,7 +152,7 @@ def run(
         return code, signum
     if code == 0 and not signum:
         try:
-            body = pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+            body = _pickling.dumps_result(value)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
             _report(tx, channel, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
@@ -310,6 +310,34 @@ def _finish(code: int, signum: int, exit_handlers: Literal["all", "own", "none"]
             os.kill(os.getpid(), signum)
     finally:
         os._exit(code & 0xFF)
+
+
+def stdout_shows_lines() -> bool:
+    """Whether this process's ``sys.stdout`` shows each line as it is
+    printed: a terminal's (line-buffered), or a notebook's (no file at all:
+    ipykernel's stream forwards what it is given).  The caller asks, for
+    its workers (line_buffer_stdout)."""
+    stream = sys.stdout
+    return stream is not None and bool(getattr(stream, "line_buffering", True))
+
+
+def line_buffer_stdout() -> None:
+    """Make ``sys.stdout`` line-buffered, for workers whose caller's stdout
+    shows lines as they come (stdout_shows_lines).  A notebook's workers
+    write to a pipe that the kernel forwards to the cell, and Python
+    block-buffers a pipe: a rank's prints would reach the cell only when it
+    exits, or when 8 KB had gathered.  Unbuffered (``PYTHONUNBUFFERED``, as
+    some notebook images set) writes a line and its newline apart, and the
+    ranks' lines would be cut into one another: each line goes whole."""
+    stream = sys.stdout
+    if stream is None or (
+        getattr(stream, "line_buffering", True) and not getattr(stream, "write_through", False)
+    ):
+        return
+    try:
+        stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
+    except (AttributeError, OSError, ValueError):
+        pass  # replaced by an object of the user's, or closed
 
 
 def _after_fork(rank: int, daemon: bool) -> None:
@@ -624,8 +652,9 @@ def spawn_main() -> NoReturn:
     """Entry of a spawned worker (a fresh interpreter); never returns.
 
     argv: rank, payload fd, channel fd, daemon flag, resource tracker fd
-    (-1: none), then the inherited fds.  PR_SET_PDEATHSIG was armed before
-    exec by the C launcher, with the parent re-checked.
+    (-1: none), line-buffered stdout flag, then the inherited fds.
+    PR_SET_PDEATHSIG was armed before exec by the C launcher, with the
+    parent re-checked.
     """
     rank = int(sys.argv[1])
     payload_fd = int(sys.argv[2])
@@ -633,7 +662,9 @@ def spawn_main() -> NoReturn:
     tx.set_inheritable(False)  # inherited for exec only: not by our children
     daemon = sys.argv[4] == "1"
     tracker_fd = int(sys.argv[5])
-    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[6:]]
+    if sys.argv[6] == "1":
+        line_buffer_stdout()
+    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[7:]]
     code, signum = 1, 0
     try:
         quiet_stdin()

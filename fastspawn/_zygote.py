@@ -581,6 +581,8 @@ class _Zygote:
         _worker.zygote_finalizer_index = _worker.next_finalizer_index(finalize)
         logging = sys.modules.get("logging")
         _worker.zygote_handlers = len(getattr(logging, "_handlerList", ()))
+        if header.line_buffered:
+            _worker.line_buffer_stdout()  # once here, not in every worker
         sys.stdout.flush()
         sys.stderr.flush()
         return spec

@@ -98,6 +98,8 @@ class LaunchHeader:
         binary: ``(path, {rank: argv})`` when the ranks are that binary: the
             zygote starts them with the C launcher rather than as forked
             workers that exec it; else None.
+        line_buffered: the caller's stdout shows lines as they are printed
+            (a terminal, a notebook): the workers' is made line-buffered.
     The fds arrive in that order: user fds, stdio slots, the caller's stdio.
     """
 
@@ -116,6 +118,7 @@ class LaunchHeader:
         "stdio_slots",
         "default_stdio",
         "binary",
+        "line_buffered",
     )
 
     def __init__(
@@ -135,6 +138,7 @@ class LaunchHeader:
         stdio_slots: Sequence[tuple[int, int]],
         default_stdio: int,
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
+        line_buffered: bool = False,
     ) -> None:
         self.nprocs = int(nprocs)
         self.daemon = bool(daemon)
@@ -154,6 +158,7 @@ class LaunchHeader:
             if binary is None
             else (binary[0], {rank: list(argv) for rank, argv in binary[1].items()})
         )
+        self.line_buffered = bool(line_buffered)
 
     def __repr__(self) -> str:
         return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"

@@ -54,6 +54,7 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
             payload_fd = common.payload_memfd(payload)
         del payload
         tail = [str(payload_fd), str(tx.fileno()), "1" if req.daemon else "0", str(tracker or -1)]
+        tail.append("1" if _worker.stdout_shows_lines() else "0")
         tail += [str(fd) for fd in collector.fds]
         keep = [payload_fd, tx.fileno(), *collector.fds]
         keep += [tracker] if tracker is not None else []

@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 
-from fastspawn import _oscall, _pickling, _zygote_client
+from fastspawn import _oscall, _pickling, _worker, _zygote_client
 from fastspawn import _zygote_protocol as protocol
 from fastspawn._channel import LaunchFailure, Receiver
 from fastspawn._launch import LaunchRequest, Started, forget_groups, kill_started
@@ -102,6 +102,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> _zygote_client.Zygote
         stdio_slots=stdio_slots,
         default_stdio=len(default_stdio),
         binary=req.binary,
+        line_buffered=_worker.stdout_shows_lines(),
     )
     try:
         payload_fd = common.payload_memfd(header.encode() + work)
