@@ -67,7 +67,7 @@ import signal
 import struct
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import argparse
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from fastspawn._helper import HelperClient
+    from fastspawn._methods.registry import StartMethodName
 
     # (report FIFO path, bench pid, round id, modules to import, payload, failing rank or -1)
     RankSpec = tuple[str, int, int, tuple[str, ...], bytes, int]
@@ -557,7 +558,7 @@ class Method:
 
 
 class FastspawnMethod(Method):
-    def __init__(self, name: str, start_method: str, cold: bool = False) -> None:
+    def __init__(self, name: str, start_method: StartMethodName, cold: bool = False) -> None:
         super().__init__(name)
         self.start_method = start_method
         self.cold = cold
@@ -576,7 +577,7 @@ class FastspawnMethod(Method):
             # No zygote (it died?): start one and let it import this module
             # and the preloads, so that the timed launch finds it warm.
             fastspawn.start_processes(
-                _noop, nprocs=1, start_method=method.name, preload=list(session.imports)
+                _noop, nprocs=1, start_method=self.start_method, preload=list(session.imports)
             )
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
@@ -836,7 +837,8 @@ def make_method(name: str) -> Method:
         # fastspawn-<method>, or fastspawn-<method>-warm / -cold for the
         # default method, whose long-lived process a launch may find running.
         method, _, state = rest.partition("-")
-        return FastspawnMethod(name, method, cold=state == "cold")
+        # A name of METHOD_HELP, built from the registry's: one of its methods.
+        return FastspawnMethod(name, cast("StartMethodName", method), cold=state == "cold")
     if family == "mp":
         return MpMethod(name, rest)
     if family == "torch":

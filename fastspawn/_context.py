@@ -27,13 +27,14 @@ from fastspawn._errors import (
 )
 from fastspawn._methods import registry
 from fastspawn._methods.base import StartMethod
+from fastspawn._methods.registry import StartMethodName
 from fastspawn._pickling import describe_unpicklable
 from fastspawn._process import Process, checked_seconds, running_among, wait_readable
 
 log = logging.getLogger(__name__)
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
-DEFAULT_START_METHOD = registry.DEFAULT
+DEFAULT_START_METHOD: StartMethodName = registry.DEFAULT
 
 # paddle.distributed.spawn options that it deprecated: accepted with a warning.
 _DEPRECATED_OPTIONS = (
@@ -651,7 +652,7 @@ def start_processes(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str | None = DEFAULT_START_METHOD,
+    start_method: StartMethodName | None = DEFAULT_START_METHOD,
     *,
     envs: Mapping[int, Mapping[str, str]] | None = None,
     preload: Sequence[str] | None = None,
@@ -742,7 +743,7 @@ def spawn(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str | None = DEFAULT_START_METHOD,
+    start_method: StartMethodName | None = DEFAULT_START_METHOD,
     **kwargs: Any,
 ) -> ProcessContext:
     """Like :func:`start_processes`, always with a spawn-safe start method.

@@ -872,7 +872,7 @@ def start_processes(
     args: Mapping[int, Sequence[Any]],
     envs: Mapping[int, Mapping[str, str]],
     log_dir: str | os.PathLike[str] | LogsSpecs | None = None,
-    start_method: str | None = registry.DEFAULT,
+    start_method: registry.StartMethodName | None = registry.DEFAULT,
     redirects: Std | Mapping[int, Std] = Std.NONE,
     tee: Std | Mapping[int, Std] = Std.NONE,
     log_line_prefixes: Mapping[int, str] | None = None,
@@ -945,7 +945,7 @@ def start_processes(
         RuntimeError: ``numa_options`` cannot apply here (see above).
     """
     # Before anything is made: an unknown one names the valid ones.
-    start_method = registry.get(start_method).name
+    method_name = registry.get(start_method).name
     directory, logs_specs = _checked_log_args(log_dir, logs_specs, redirects, tee)
     nprocs = len(args)
     _limits.check_nprocs(nprocs, f"a launch of {nprocs} ranks (len(args))")
@@ -986,7 +986,7 @@ def start_processes(
             tee_stdouts=tee_out,
             tee_stderrs=tee_err,
             error_files=error_files,
-            start_method=start_method,
+            start_method=method_name,
             log_line_prefixes=log_line_prefixes,
             binary_path=binary_path,
             filtered=_filtered_copies(dest, filters),

@@ -206,3 +206,10 @@ def test_ruff_with_the_complexity_limit_is_clean():
         timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_typed_names_are_the_built_in_methods():
+    import typing
+
+    assert set(typing.get_args(registry.StartMethodName)) == set(registry.names())
+    assert registry.get(registry.DEFAULT).name == registry.DEFAULT

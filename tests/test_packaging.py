@@ -117,12 +117,18 @@ def test_a_user_script_type_checks_against_the_installed_package(
         )
     )
     mypy = [sys.executable, "-m", "mypy", "--strict", "--no-incremental"]
-    checked = _run(
-        [*mypy, "--python-executable", bin_dir / "python", script],
-        env=_env(tmp_path, os.environ["PATH"]),
-        cwd=tmp_path,
-    )
+    mypy += ["--python-executable", bin_dir / "python"]
+    mypy_env = _env(tmp_path, os.environ["PATH"])
+    checked = _run([*mypy, script], env=mypy_env, cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    # A misspelt start method is caught in the editor, not at run time.
+    typo = tmp_path / "typo.py"
+    typo.write_text(
+        "import fastspawn\n\nfastspawn.start_processes(abs, nprocs=1, start_method='zygot')\n"
+    )
+    caught = _run([*mypy, typo], env=mypy_env, cwd=tmp_path)
+    assert caught.returncode == 1, caught.stdout + caught.stderr
+    assert "start_method" in caught.stdout and "zygot" in caught.stdout, caught.stdout
 
 
 def test_the_sdist_holds_the_sources_examples_and_license(dists):

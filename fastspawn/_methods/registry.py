@@ -7,8 +7,14 @@ defines it, for a method that lives outside fastspawn).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastspawn._methods import fork, forkserver, spawn, zygote
 from fastspawn._methods.base import StartMethod
+
+# The built-in methods' names, for type checkers: a misspelt start_method is
+# an error in the user's editor.  (At run time any registered name works.)
+StartMethodName = Literal["zygote", "spawn", "fork", "forkserver"]
 
 _methods: dict[str, StartMethod] = {}
 
@@ -82,4 +88,4 @@ for _method in (zygote.METHOD, spawn.METHOD, fork.METHOD, forkserver.METHOD):
     register(_method)
 del _method
 
-DEFAULT = zygote.METHOD.name
+DEFAULT: StartMethodName = "zygote"
