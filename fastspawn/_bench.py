@@ -33,9 +33,9 @@ it, so a spawned rank does not pay for the bench's imports.
 
 JSON output (``--json FILE``)
 -----------------------------
-One object, described by :data:`SCHEMA` (a JSON-Schema subset: ``type``,
-``enum``, ``minimum``, ``required``, ``properties``, ``additionalProperties``,
-``items``):
+One object, described by the JSON Schema shipped beside this module,
+``fastspawn/bench.schema.json`` (draft 2020-12; :func:`load_schema` reads
+it):
 
 - ``schema``: ``"fastspawn-bench/2"``; ``started_at`` (UTC, ISO 8601);
   ``duration_s``.
@@ -1965,123 +1965,15 @@ def main(argv: Sequence[str]) -> int:
 
 # ----------------------------------------------------------------- schema
 
-_NUMBER_OR_NULL = {"type": ["number", "null"]}
-_INT_OR_NULL = {"type": ["integer", "null"]}
-_TIMES_OR_NULL = {"type": ["array", "null"], "items": {"type": "number"}}
-_METHOD = {"type": "string", "enum": list(ALL_METHODS)}
+SCHEMA_FILE = "bench.schema.json"  # in the package, beside this module
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["schema", "started_at", "duration_s", "machine", "config", "rounds", "summary"],
-    "additionalProperties": False,
-    "properties": {
-        "schema": {"type": "string", "enum": [SCHEMA_ID]},
-        "started_at": {"type": "string"},
-        "duration_s": {"type": "number", "minimum": 0},
-        "machine": {
-            "type": "object",
-            "required": [
-                "cpu",
-                "cores",
-                "usable_cores",
-                "kernel",
-                "python",
-                "fastspawn",
-                "torch",
-                "memory_bytes",
-            ],
-            "additionalProperties": False,
-            "properties": {
-                "cpu": {"type": "string"},
-                "cores": {"type": "integer", "minimum": 1},
-                "usable_cores": {"type": "integer", "minimum": 1},
-                "kernel": {"type": "string"},
-                "python": {"type": "string"},
-                "fastspawn": {"type": "string"},
-                "torch": {"type": ["string", "null"]},
-                "memory_bytes": _INT_OR_NULL,
-            },
-        },
-        "config": {
-            "type": "object",
-            "required": [
-                "methods",
-                "nprocs",
-                "repeat",
-                "imports",
-                "payload_bytes",
-                "binary",
-                "argv",
-            ],
-            "additionalProperties": False,
-            "properties": {
-                "methods": {"type": "array", "items": _METHOD},
-                "nprocs": {"type": "array", "items": {"type": "integer", "minimum": 1}},
-                "repeat": {"type": "integer", "minimum": 1},
-                "imports": {"type": "array", "items": {"type": "string"}},
-                "payload_bytes": {"type": "integer", "minimum": 0},
-                "binary": {"type": "string"},
-                "argv": {"type": "array", "items": {"type": "string"}},
-            },
-        },
-        "rounds": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["method", "nprocs", "round", "kind", *_RECORD_KEYS],
-                "additionalProperties": False,
-                "properties": {
-                    "method": {"type": "string", "enum": list(ALL_METHODS)},
-                    "nprocs": {"type": "integer", "minimum": 1},
-                    "round": {"type": "integer", "minimum": 0},
-                    "kind": {"type": "string", "enum": ["launch", "failure"]},
-                    "created_s": _NUMBER_OR_NULL,
-                    "running_s": _NUMBER_OR_NULL,
-                    "joined_s": _NUMBER_OR_NULL,
-                    "failure_s": _NUMBER_OR_NULL,
-                    "reaped_s": _NUMBER_OR_NULL,
-                    "uss_bytes": _INT_OR_NULL,
-                    "helper_uss_bytes": _INT_OR_NULL,
-                    "rank_entry_s": _TIMES_OR_NULL,
-                    "rank_exit_s": _TIMES_OR_NULL,
-                },
-            },
-        },
-        "summary": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "method",
-                    "nprocs",
-                    "phase",
-                    "unit",
-                    "rounds",
-                    "median",
-                    "p90",
-                    "min",
-                    "ratio",
-                    "baseline",
-                    "floor_ratio",
-                ],
-                "additionalProperties": False,
-                "properties": {
-                    "method": {"type": "string", "enum": list(ALL_METHODS)},
-                    "nprocs": {"type": "integer", "minimum": 1},
-                    "phase": {"type": "string", "enum": list(PHASES)},
-                    "unit": {"type": "string", "enum": ["s", "bytes"]},
-                    "rounds": {"type": "integer", "minimum": 1},
-                    "median": {"type": "number"},
-                    "p90": {"type": "number"},
-                    "min": {"type": "number"},
-                    "ratio": _NUMBER_OR_NULL,
-                    "baseline": {
-                        "type": ["string", "null"],
-                        "enum": [BASELINE, BINARY_BASELINE, None],
-                    },
-                    "floor_ratio": _NUMBER_OR_NULL,
-                },
-            },
-        },
-    },
-}
+
+def load_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the ``--json`` document, shipped
+    with the package as ``bench.schema.json``."""
+    import json
+    from importlib import resources
+
+    text = resources.files("fastspawn").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema

@@ -138,6 +138,17 @@ def test_the_sdist_holds_the_sources_examples_and_license(dists):
         assert path in names
     assert any(name.startswith("examples/") and name.endswith(".py") for name in names)
     assert "fastspawn/_methods/registry.py" in names and "fastspawn/py.typed" in names
+    assert "fastspawn/bench.schema.json" in names
+
+
+def test_the_wheel_holds_the_package_data(dists):
+    import zipfile
+
+    with zipfile.ZipFile(dists["manylinux"]) as wheel:
+        names = set(wheel.namelist())
+    for path in ("fastspawn/py.typed", "fastspawn/bench.schema.json"):
+        assert path in names
+    assert any(name.startswith("fastspawn/_core.abi3") for name in names)
 
 
 def test_the_sdist_without_a_compiler_says_what_to_do(dists, venv_without_compiler, tmp_path):
