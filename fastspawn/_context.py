@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
-from fastspawn import _launch, _limits, _oscall, _zygote_client
+from fastspawn import _kernel_output, _launch, _limits, _oscall, _zygote_client
 from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
     ProcessExitedException,
@@ -190,6 +190,10 @@ class ProcessContext:
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
             return self._join(left, grace_period)
         finally:
+            if not self._pending:
+                # In a notebook: the ranks' last lines show before whatever
+                # the caller prints next (a no-op elsewhere).
+                _kernel_output.catch_up()
             self._join_lock.release()
 
     def _join(self, timeout: float | None, grace_period: float | None) -> bool:
