@@ -4,8 +4,11 @@ import os
 import time
 
 SECONDS = float(os.environ.get("SLOW_IMPORT_SECONDS", "5"))
+BEGAN = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
 time.sleep(SECONDS)
+ENDED = time.monotonic()
 
 
-def use(rank: int) -> float:
-    return SECONDS
+def use(rank: int) -> tuple[float, float, float]:
+    """The import's cost and when the import this rank relies on ran."""
+    return SECONDS, BEGAN, ENDED

@@ -53,6 +53,30 @@ def return_or_raise(rank: int) -> None:
     raise ValueError("legitimate exception")
 
 
+def return_then_raise(rank: int, marker: str) -> None:
+    """Rank 0 writes its pid to ``marker`` and returns; rank 1 raises once
+    rank 0 has exited (a zombie or gone: its return value reported)."""
+    if rank == 0:
+        with open(marker + ".tmp", "w") as out:
+            out.write(str(os.getpid()))
+        os.rename(marker + ".tmp", marker)
+        return
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(marker) as found:
+        pid = int(found.read())
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+    raise ValueError("legitimate exception")
+
+
 def raise_on_rank0_others_ignore_sigterm(rank: int, seconds: float) -> None:
     """Rank 0 raises at once; the others ignore SIGTERM and return after
     ``seconds``."""
