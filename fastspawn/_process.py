@@ -7,6 +7,7 @@ import logging
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -14,6 +15,11 @@ from fastspawn import _oscall
 from fastspawn._channel import Receiver
 
 log = logging.getLogger(__name__)
+
+# Held while a worker's pidfd is closed, and while another thread copies
+# pidfds to signal (ProcessContext.dump_stacks): a number closed under it
+# and reused by a new pidfd would send the signal to another process.
+pidfd_lock = threading.Lock()
 
 
 def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
@@ -179,9 +185,10 @@ class Process:
         forget = self.on_close() if self.on_close is not None else None
         if forget is not None:
             forget(self)
-        try:
-            os.close(self._pidfd)
-        except OSError as exc:  # pragma: no cover - EBADF would be our bug
-            if exc.errno != errno.EBADF:
-                raise
-        self._pidfd = -1
+        with pidfd_lock:
+            try:
+                os.close(self._pidfd)
+            except OSError as exc:  # pragma: no cover - EBADF would be our bug
+                if exc.errno != errno.EBADF:
+                    raise
+            self._pidfd = -1

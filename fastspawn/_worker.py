@@ -421,6 +421,33 @@ def _match_torch_threads() -> None:
         pass  # a torch without these: nothing to match
 
 
+# The signal on which a worker writes the Python stacks of all its threads
+# (faulthandler, from the signal handler: no cooperation from the code that
+# runs, the GIL not needed) to a memfd of its own, named
+# "fastspawn-stacks:RANK:PID", which the launcher reads through
+# /proc/PID/fd (see _stacks).  A real-time signal, which user code rarely
+# takes; its default action would end the process, so the launcher sends it
+# only to a process that shows it caught (SigCgt) and holds that memfd.
+STACKS_SIGNAL = signal.SIGRTMIN + 20
+STACKS_MEMFD = "fastspawn-stacks"
+
+
+def arm_stacks(rank: int) -> None:
+    """Register faulthandler on STACKS_SIGNAL, writing to a new private
+    memfd: a memfd never blocks the writer (a pipe left unread would hang
+    the handler) and needs no file on disk.  faulthandler writes each line
+    in several write() calls, so the report channel (one message a write)
+    cannot take it.  faulthandler is built into the interpreter: importing
+    it reads no file.  Out of fds (or memory), the worker runs without."""
+    try:
+        fd = os.memfd_create(f"{STACKS_MEMFD}:{rank}:{os.getpid()}", os.MFD_CLOEXEC)
+    except OSError:
+        return
+    import faulthandler
+
+    faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
+
+
 class ForkSpec:
     """What every rank of one forked launch (start method fork, or the
     zygote's) shares, built once before the fork loop.
@@ -447,6 +474,7 @@ class ForkSpec:
         match_torch_threads: ``torch_threads_to_match(envs)``, decided once
             before forking (reading the environment in every worker, a
             KeyError and all, cost 150 us a worker with torch loaded).
+        stacks: each worker arms the stack dump (arm_stacks).
     """
 
     __slots__ = (
@@ -463,6 +491,7 @@ class ForkSpec:
         "from_zygote",
         "channel",
         "match_torch_threads",
+        "stacks",
     )
 
     def __init__(
@@ -479,6 +508,7 @@ class ForkSpec:
         stdin: int | None = -1,
         process_state: dict[str, Any] | None = None,
         from_zygote: bool = False,
+        stacks: bool = False,
     ) -> None:
         self.parent = parent
         self.fn = fn
@@ -493,6 +523,7 @@ class ForkSpec:
         self.from_zygote = from_zygote
         self.channel = channel_identity(tx)
         self.match_torch_threads = torch_threads_to_match(envs)
+        self.stacks = stacks
 
 
 def forked_child(
@@ -558,6 +589,8 @@ def _set_up_forked(
     _after_fork(rank, spec.daemon)
     if not spec.from_zygote:  # the zygote's is the caller already
         _set_parent_process(spec.parent)
+    if spec.stacks:
+        arm_stacks(rank)
 
 
 def preparation_data(name: str) -> dict[str, Any]:
@@ -610,17 +643,20 @@ def read_payload(fd: int) -> io.BytesIO:
 def spawn_main() -> NoReturn:
     """Entry of a spawned worker (a fresh interpreter); never returns.
 
-    argv: rank, payload fd, channel fd, daemon flag, resource tracker fd
-    (-1: none), then the inherited fds.  PR_SET_PDEATHSIG was armed before
-    exec by the C launcher, with the parent re-checked.
+    argv: rank, payload fd, channel fd, daemon flag, stacks flag (see
+    arm_stacks), resource tracker fd (-1: none), then the inherited fds.
+    PR_SET_PDEATHSIG was armed before exec by the C launcher, with the
+    parent re-checked.
     """
     rank = int(sys.argv[1])
     payload_fd = int(sys.argv[2])
     tx = socket.socket(fileno=int(sys.argv[3]))
     tx.set_inheritable(False)  # inherited for exec only: not by our children
     daemon = sys.argv[4] == "1"
-    tracker_fd = int(sys.argv[5])
-    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[6:]]
+    if sys.argv[5] == "1":
+        arm_stacks(rank)  # first: a main module whose import hangs shows where
+    tracker_fd = int(sys.argv[6])
+    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[7:]]
     code, signum = 1, 0
     try:
         quiet_stdin()

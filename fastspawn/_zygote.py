@@ -575,6 +575,7 @@ class _Zygote:
             stdin=-1 if stdio.caller_in is None else stdio.caller_in,
             process_state=header.process_state,
             from_zygote=True,
+            stacks=header.stacks,
         )
         # The exit-time finalizers the workers must leave to the zygote.
         finalize = getattr(sys.modules.get("weakref"), "finalize", None)

@@ -98,6 +98,7 @@ class LaunchHeader:
         binary: ``(path, {rank: argv})`` when the ranks are that binary: the
             zygote starts them with the C launcher rather than as forked
             workers that exec it; else None.
+        stacks: forked workers arm the stack dump (_worker.arm_stacks).
     The fds arrive in that order: user fds, stdio slots, the caller's stdio.
     """
 
@@ -116,6 +117,7 @@ class LaunchHeader:
         "stdio_slots",
         "default_stdio",
         "binary",
+        "stacks",
     )
 
     def __init__(
@@ -135,6 +137,7 @@ class LaunchHeader:
         stdio_slots: Sequence[tuple[int, int]],
         default_stdio: int,
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
+        stacks: bool = True,
     ) -> None:
         self.nprocs = int(nprocs)
         self.daemon = bool(daemon)
@@ -154,6 +157,7 @@ class LaunchHeader:
             if binary is None
             else (binary[0], {rank: list(argv) for rank, argv in binary[1].items()})
         )
+        self.stacks = bool(stacks)
 
     def __repr__(self) -> str:
         return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"

@@ -38,6 +38,7 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
         envs=req.envs,
         close_fds=[rx.fileno()],
         stdin=None if req.keep_stdin else -1,
+        stacks=req.stacks,
     )
     _worker.flush_std_streams()
     with common.launch_group(req, started) as group:

@@ -102,6 +102,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> _zygote_client.Zygote
         stdio_slots=stdio_slots,
         default_stdio=len(default_stdio),
         binary=req.binary,
+        stacks=req.stacks,
     )
     try:
         payload_fd = common.payload_memfd(header.encode() + work)
