@@ -349,6 +349,7 @@ class ProcessContext:
                 failed.rank,
                 failed.pid,
                 block,
+                extra={"rank_stacks": self.rank_stacks},  # for handlers, and fastspawn run
             )
 
     def _end(self, sig: int | None = None) -> None:

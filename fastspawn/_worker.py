@@ -10,6 +10,7 @@ Each ends in ``os._exit`` with the worker's exit code.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import io
 import os
 import pickle
@@ -432,20 +433,39 @@ STACKS_SIGNAL = signal.SIGRTMIN + 20
 STACKS_MEMFD = "fastspawn-stacks"
 
 
+_stacks_fd = -1  # this process's stack memfd, once armed
+
+
 def arm_stacks(rank: int) -> None:
     """Register faulthandler on STACKS_SIGNAL, writing to a new private
     memfd: a memfd never blocks the writer (a pipe left unread would hang
     the handler) and needs no file on disk.  faulthandler writes each line
     in several write() calls, so the report channel (one message a write)
-    cannot take it.  faulthandler is built into the interpreter: importing
-    it reads no file.  Out of fds (or memory), the worker runs without."""
+    cannot take it.  (faulthandler is built into the interpreter: its
+    import, above, reads no file.)  Out of fds, the worker runs without.
+
+    A worker forked from an armed process (a rank that launches with
+    "fork") closes the memfd it inherited first: it is its parent's."""
+    global _stacks_fd
+    if _stacks_fd >= 0:
+        os.close(_stacks_fd)
+        _stacks_fd = -1
     try:
         fd = os.memfd_create(f"{STACKS_MEMFD}:{rank}:{os.getpid()}", os.MFD_CLOEXEC)
     except OSError:
         return
-    import faulthandler
-
     faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
+    _stacks_fd = fd
+
+
+def prewarm_stacks() -> None:
+    """In the zygote, before any user code: let faulthandler allocate what
+    a registration needs (its table of handlers, the alternate signal
+    stack, which forked threads inherit), so that each worker's
+    arm_stacks only fills in its entry: a third of the pages it would
+    otherwise copy (about 14 of 22, measured in a forked child)."""
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
+    faulthandler.unregister(STACKS_SIGNAL)
 
 
 class ForkSpec:

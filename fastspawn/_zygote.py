@@ -912,6 +912,7 @@ def main() -> None:
     zygote = None
     try:
         zygote = _Zygote(control, parent, parent_fd)
+        _worker.prewarm_stacks()
         # The first message: the caller's spawn preparation data and preloads.
         data = control.recv(protocol.MAX_MESSAGE)
         if not data:

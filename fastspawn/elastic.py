@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from fastspawn import _context, _launch, _limits
+from fastspawn import _context, _launch, _limits, _stacks
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException, signal_name
 from fastspawn._methods import registry
@@ -131,7 +131,12 @@ def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, S
 
 @dataclass
 class ProcessFailure:
-    """A failed rank: its exit code and what its error file says."""
+    """A failed rank: its exit code and what its error file says.
+
+    ``rank_stacks`` (fastspawn's addition): ``{local rank: text}``, the
+    Python stacks of the ranks that still ran when this one failed, taken
+    before they were stopped (empty with ``stacks=False``).
+    """
 
     local_rank: int
     pid: int
@@ -140,6 +145,7 @@ class ProcessFailure:
     error_file_data: dict[str, Any] = field(init=False)
     message: str = field(init=False)
     timestamp: int = field(init=False)
+    rank_stacks: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.error_file_data = dict(_EMPTY_ERROR_DATA)
@@ -192,12 +198,15 @@ class ProcessFailure:
 
 @dataclass
 class RunProcsResult:
-    """What ``wait`` returns: all succeeded, or the failure(s) that ended the run."""
+    """What ``wait`` returns: all succeeded, or the failure(s) that ended the
+    run; after a failure, ``rank_stacks`` (fastspawn's addition) holds the
+    Python stacks of the ranks that still ran then, by local rank."""
 
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
+    rank_stacks: dict[int, str] = field(default_factory=dict, repr=False)
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
@@ -425,6 +434,7 @@ class PContext:
         start_method: str,
         log_line_prefixes: Mapping[int, str] | None,
         binary_path: str | None = None,
+        stacks: bool = True,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -441,6 +451,7 @@ class PContext:
         # The resolved binary (start_processes resolves it before it creates
         # any file); start() resolves it when None.
         self._binary_path = binary_path
+        self.stacks = stacks
         self._ctx: _context.ProcessContext | None = None
         self._tee = Tee()
         self._result: RunProcsResult | None = None
@@ -558,6 +569,7 @@ class PContext:
             # subprocess handler; function ranks read /dev/null.
             keep_stdin=binary is not None,
             binary=binary,
+            stacks=self.stacks,
         )
 
     # -------------------------------------------------------------- wait
@@ -567,6 +579,15 @@ class PContext:
         if self._ctx is None:
             return {}
         return dict(enumerate(self._ctx.pids()))
+
+    def dump_stacks(self, timeout: float = _stacks.DEMAND_TIMEOUT) -> dict[int, str]:
+        """``{rank: text}``: the Python stacks of every thread of each rank
+        still running, taken without stopping it (see
+        :meth:`fastspawn.ProcessContext.dump_stacks`).  A binary rank has
+        none: it gets a line on its state in the kernel instead."""
+        if self._ctx is None:
+            return {}
+        return self._ctx.dump_stacks(timeout)
 
     def _poll(self, timeout: float | None) -> RunProcsResult | None:
         assert self._ctx is not None, "start() first"
@@ -582,11 +603,15 @@ class PContext:
                 pid=exc.error_pid,
                 exitcode=code if code is not None else 1,
                 error_file=self.error_files[rank],
+                rank_stacks=exc.rank_stacks,
             )
             self._tee.join(idle_timeout=5.0)
             _forget_context(self)  # every rank is reaped
             self._result = RunProcsResult(
-                failures={rank: failure}, stdouts=self.stdouts, stderrs=self.stderrs
+                failures={rank: failure},
+                stdouts=self.stdouts,
+                stderrs=self.stderrs,
+                rank_stacks=exc.rank_stacks,
             )
             return self._result
         if not done:
@@ -753,6 +778,7 @@ def start_processes(
     log_line_prefixes: Mapping[int, str] | None = None,
     *,
     logs_specs: LogsSpecs | None = None,
+    stacks: bool = True,
 ) -> PContext:
     """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
 
@@ -780,6 +806,11 @@ def start_processes(
             with torch's ``reify(envs) -> LogsDest``).  Ranks without an
             error file in its ``LogsDest`` get an empty
             ``TORCHELASTIC_ERROR_FILE``.
+        stacks: function ranks arm a dump of their Python stacks, so that
+            a failure records where the other ranks were
+            (``RunProcsResult.rank_stacks``, ``ProcessFailure.rank_stacks``,
+            a WARNING) and :meth:`PContext.dump_stacks` works; binary ranks
+            get a line on their kernel state.  False: none of it.
 
     Raises:
         TypeError: both or neither of ``log_dir`` and ``logs_specs``, or
@@ -832,6 +863,7 @@ def start_processes(
             start_method=start_method,
             log_line_prefixes=log_line_prefixes,
             binary_path=binary_path,
+            stacks=stacks,
         )
         context.start()  # leaves no fd and no rank behind when it fails
     except BaseException:

@@ -501,3 +501,80 @@ def module_attribute(rank: int, module: str, name: str) -> str:
     its .name when it has one (a TemporaryDirectory's path)."""
     value = getattr(sys.modules[module], name)
     return str(getattr(value, "name", value))
+
+
+# ------------------------------------------------- stacks (test_stacks.py)
+
+
+def barrier_or_raise(rank: int, barrier: Any) -> None:
+    """Rank 1 raises once every other rank waits in the barrier, where they
+    stay: it takes all four."""
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while barrier.n_waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise ValueError("rank 1 fails while the others wait")
+    barrier.wait()  # the waiting line
+
+
+def elastic_barrier_or_raise(rank: int, barrier: Any) -> None:
+    barrier_or_raise(rank, barrier)
+
+
+def wait_in_sleep() -> None:
+    while True:
+        time.sleep(60)  # the waiting line
+
+
+def ready_then_wait(rank: int, queue: Any) -> None:
+    queue.put(rank)
+    wait_in_sleep()
+
+
+def close_stack_memfd_then_wait(rank: int, queue: Any) -> None:
+    """Close the stack memfd and give its number to another file, as code
+    that closes fds it does not know of might: the signal must not reach
+    this rank now (its handler would write into that file)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("/memfd:fastspawn-stacks:"):
+            os.close(int(name))
+            globals()["_taken"] = os.open(os.devnull, os.O_WRONLY)
+    queue.put(rank)
+    wait_in_sleep()
+
+
+_gloo_keep: list[Any] = []
+
+
+def gloo_all_reduce_or_raise(rank: int, store_path: str, ready: Any) -> None:
+    """Ranks 0, 2 and 3 wait in a gloo all_reduce for a fourth member that
+    never contributes (it lives in a thread of rank 0); rank 1 raises once
+    they are in it.  Rank 1 is no member: its end closes no connection of
+    theirs, so they stay in the all_reduce until stopped."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while ready.value < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # from the count to the all_reduce call: a few lines
+        raise ValueError("rank 1 fails while the others wait")
+    store = dist.FileStore(store_path, 3)
+    timeout = timedelta(seconds=300)
+    if rank == 0:
+        threading.Thread(
+            target=lambda: _gloo_keep.append(dist.ProcessGroupGloo(store, 3, 4, timeout)),
+            daemon=True,
+        ).start()
+    group = dist.ProcessGroupGloo(store, {0: 0, 2: 1, 3: 2}[rank], 4, timeout)
+    with ready.get_lock():
+        ready.value += 1
+    group.allreduce([torch.ones(1)]).wait()  # the waiting line
