@@ -1,19 +1,19 @@
 """Where every rank is: the Python stacks of all the threads of running
 ranks, taken without their cooperation.
 
-Each Python worker arms the dump as it starts (``_worker.arm_stacks``):
-faulthandler, registered on STACKS_SIGNAL, writes every thread's stack to
-a memfd of the worker's own, from the signal handler (no GIL needed, so a
-rank stuck in C code answers too).  To read them, the launcher (or
-``fastspawn stacks`` in another process of the same user):
+Each Python worker is armed (forked ones are born so, see
+_worker.ForkStacks; spawned ones call ``_worker.arm_stacks``): faulthandler,
+registered on STACKS_SIGNAL, writes every thread's stack to a memfd of the
+worker's own, from the signal handler (no GIL needed, so a rank stuck in C
+code answers too).  To read them, the launcher (or ``fastspawn stacks`` in
+another process of the same user):
 
 1. checks in /proc/PID/status that the rank catches the signal (SigCgt): a
    process that does not (a binary rank, a rank started with stacks off or
    still starting) would be killed by it, its default action;
-2. finds the memfd among /proc/PID/fd by its name, which carries the pid (a
-   child forked by the rank inherits its parent's, named with the parent's
-   pid), and opens it through that path (same user: ptrace read access);
-   its size then is where this dump will start;
+2. finds the memfd among /proc/PID/fd by its name, and opens it through
+   that path (same user: ptrace read access); its size then is where this
+   dump will start;
 3. sends the signal through a pidfd (never to a recycled pid);
 4. waits until the dump is whole: the file grew and has stopped growing,
    the signal is no longer pending, and the main thread no longer blocks
@@ -49,7 +49,8 @@ FAILURE_TIMEOUT = 0.5
 # How long an on-demand dump (dump_stacks(), fastspawn stacks) waits.
 DEMAND_TIMEOUT = 2.0
 
-_LINK = f"/memfd:{STACKS_MEMFD}:"  # + "RANK:PID (deleted)"
+_LINK = f"/memfd:{STACKS_MEMFD}:"  # + "RANK (deleted)"
+_DELETED = " (deleted)"
 # A worker's frame that calls fn: what lies below it is fastspawn's (and,
 # forked from the caller, the caller's own launch), not the rank's.
 _RUN_FRAME = f'  File "{os.path.abspath(_worker.__file__)}", line '
@@ -137,15 +138,14 @@ def find_memfd(pid: int, hint: int | None = None) -> tuple[int, str] | None:
     """The fd number, in ``pid``, of the memfd its stack dump writes to,
     with the rank its name gives; None if it holds none (``hint``: an fd
     number to look at first, as ranks of one launch share theirs)."""
-    suffix = f":{pid} (deleted)"
 
     def rank_at(fd: int) -> str | None:
         try:
             link = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             return None
-        if link.startswith(_LINK) and link.endswith(suffix):
-            return link[len(_LINK) : -len(suffix)]
+        if link.startswith(_LINK) and link.endswith(_DELETED):
+            return link[len(_LINK) : -len(_DELETED)]
         return None
 
     if hint is not None:
@@ -350,31 +350,59 @@ def _own(fields: Mapping[str, str]) -> bool:
     return fields.get("Uid", "").split()[:2] == [str(os.getuid()), str(os.geteuid())]
 
 
+def _memfd_of(pid: int) -> tuple[str, int] | None:
+    """(rank, inode) of the stack memfd ``pid`` holds, if any."""
+    found = find_memfd(pid)
+    if found is None:
+        return None
+    try:
+        return found[1], os.stat(f"/proc/{pid}/fd/{found[0]}").st_ino
+    except OSError:
+        return None
+
+
+class _Walk:
+    """One process on the way down from ``ranks_below``'s root: how deep,
+    whether it is a zygote's guard (1) or the zygote proper (2), and the
+    inode of the stack memfd it holds (its children inherit that one: it
+    makes none of them a rank)."""
+
+    __slots__ = ("pid", "depth", "zygote", "inode")
+
+    def __init__(self, pid: int, depth: int, zygote: int, inode: int | None) -> None:
+        self.pid = pid
+        self.depth = depth
+        self.zygote = zygote
+        self.inode = inode
+
+
 def ranks_below(root: int) -> list[tuple[str | None, int]]:
     """The ranks among the descendants of process ``root``, as (rank, pid):
-    every process of this user that armed the stack dump (the rank its
-    memfd names; the walk does not go below it: its own children are its
-    business), and every child of a fastspawn zygote (a rank too, armed or
-    not: a binary rank gets rank None).  Other processes (the warden, the
+    every process of this user that holds a stack memfd of its own and
+    catches the signal (the rank its memfd names; the walk does not go
+    below it: its children are its business), and every other child of a
+    fastspawn zygote (a rank too: a binary, or started with stacks off; its
+    rank None).  Other processes (the zygote, its guard, the warden, the
     caller's other children) are walked through, never signalled."""
     found: list[tuple[str | None, int]] = []
-    level = {root: 0}  # 1: a zygote's guard, 2: the zygote proper
-    todo = [(root, 0)]
+    memfd = _memfd_of(root)
+    todo = [_Walk(root, 0, 0, None if memfd is None else memfd[1])]
     while todo:
-        parent, depth = todo.pop()
-        for pid in sorted(_children.children_of(parent)):
+        parent = todo.pop()
+        for pid in sorted(_children.children_of(parent.pid)):
             fields = _status(pid)
             if fields is None or not _own(fields) or _state(fields) in "ZX":
                 continue
-            memfd = find_memfd(pid) if _has(fields, "SigCgt") else None
-            if memfd is not None:
-                found.append((memfd[1], pid))
-            elif level[parent] == 2:
+            zygote = _ZYGOTE_ENTRY in _cmdline(pid) and parent.zygote < 2
+            memfd = None if zygote or not _has(fields, "SigCgt") else _memfd_of(pid)
+            if memfd is not None and memfd[1] != parent.inode:
+                found.append((memfd[0], pid))
+            elif parent.zygote == 2:
                 found.append((None, pid))
-            elif depth < _MAX_DEPTH:
-                zygote = _ZYGOTE_ENTRY in _cmdline(pid)
-                level[pid] = level[parent] + 1 if zygote and level[parent] < 2 else 0
-                todo.append((pid, depth + 1))
+            elif parent.depth < _MAX_DEPTH:
+                level = parent.zygote + 1 if zygote else 0
+                inode = parent.inode if memfd is None else memfd[1]
+                todo.append(_Walk(pid, parent.depth + 1, level, inode))
     return found
 
 
@@ -402,7 +430,7 @@ def _fastspawn_boot():
     rank, path = sys.argv[1:3]
     del sys.argv[:2]
     try:
-        fd = os.memfd_create("{STACKS_MEMFD}:" + rank + ":" + str(os.getpid()), os.MFD_CLOEXEC)
+        fd = os.memfd_create("{STACKS_MEMFD}:" + rank, os.MFD_CLOEXEC)
     except OSError:
         pass
     else:

@@ -425,47 +425,122 @@ def _match_torch_threads() -> None:
 # The signal on which a worker writes the Python stacks of all its threads
 # (faulthandler, from the signal handler: no cooperation from the code that
 # runs, the GIL not needed) to a memfd of its own, named
-# "fastspawn-stacks:RANK:PID", which the launcher reads through
-# /proc/PID/fd (see _stacks).  A real-time signal, which user code rarely
-# takes; its default action would end the process, so the launcher sends it
-# only to a process that shows it caught (SigCgt) and holds that memfd.
+# "fastspawn-stacks:RANK", which the launcher reads through /proc/PID/fd
+# (see _stacks).  A real-time signal, which user code rarely takes; its
+# default action would end the process, so the launcher sends it only to a
+# process that shows it caught (SigCgt) and holds such a memfd.
 STACKS_SIGNAL = signal.SIGRTMIN + 20
 STACKS_MEMFD = "fastspawn-stacks"
 
 
-_stacks_fd = -1  # this process's stack memfd, once armed
+def stacks_memfd(rank: int) -> int:
+    """A new memfd for ``rank``'s stacks: a memfd never blocks the writer
+    (a pipe left unread would hang the handler, and the rank with it) and
+    needs no file on disk.  (faulthandler writes each line in several
+    write() calls: the report channel, one message a write, cannot take
+    them.)"""
+    return os.memfd_create(f"{STACKS_MEMFD}:{rank}", os.MFD_CLOEXEC)
+
+
+def _catches_stacks_signal() -> bool:
+    """Whether this process catches STACKS_SIGNAL already (it is an armed
+    rank, or code of its own took the signal), as the kernel says."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (STACKS_SIGNAL - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _inherited_stacks_fd() -> int | None:
+    """The stack memfd this process inherited, forked from an armed one
+    (the registration it inherited too writes there), if any."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{STACKS_MEMFD}:"):
+                return int(name)
+        except OSError:
+            pass  # the listing's own fd
+    return None
 
 
 def arm_stacks(rank: int) -> None:
-    """Register faulthandler on STACKS_SIGNAL, writing to a new private
-    memfd: a memfd never blocks the writer (a pipe left unread would hang
-    the handler) and needs no file on disk.  faulthandler writes each line
-    in several write() calls, so the report channel (one message a write)
-    cannot take it.  (faulthandler is built into the interpreter: its
-    import, above, reads no file.)  Out of fds, the worker runs without.
-
-    A worker forked from an armed process (a rank that launches with
-    "fork") closes the memfd it inherited first: it is its parent's."""
-    global _stacks_fd
-    if _stacks_fd >= 0:
-        os.close(_stacks_fd)
-        _stacks_fd = -1
+    """Make this process write its stacks to a memfd of its own on
+    STACKS_SIGNAL, itself: a spawned worker, or one forked from an armed
+    rank (the new file then takes the place of the inherited one, its
+    parent's, where the inherited registration writes).  Out of fds, the
+    worker runs without.  (Forked workers are mostly born armed instead:
+    see ForkStacks.)"""
     try:
-        fd = os.memfd_create(f"{STACKS_MEMFD}:{rank}:{os.getpid()}", os.MFD_CLOEXEC)
+        inherited = _inherited_stacks_fd()
+        fd = stacks_memfd(rank)
     except OSError:
         return
-    faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
-    _stacks_fd = fd
+    if inherited is not None:
+        os.dup2(fd, inherited, inheritable=False)
+        os.close(fd)
+    else:
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
 
 
-def prewarm_stacks() -> None:
-    """In the zygote, before any user code: let faulthandler allocate what
-    a registration needs (its table of handlers, the alternate signal
-    stack, which forked threads inherit), so that each worker's
-    arm_stacks only fills in its entry: a third of the pages it would
-    otherwise copy (about 14 of 22, measured in a forked child)."""
-    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
-    faulthandler.unregister(STACKS_SIGNAL)
+def disarm_stacks() -> None:
+    """Drop the stack dump this process inherited from an armed parent (a
+    launch with stacks off, forked from a rank), if it did."""
+    inherited = _inherited_stacks_fd()
+    if inherited is not None:
+        faulthandler.unregister(STACKS_SIGNAL)
+        os.close(inherited)
+
+
+class ForkStacks:
+    """The stack dumps of one forked launch's ranks (the zygote's, or
+    start method fork's), armed by the forking process at no cost to the
+    ranks: for the length of the fork loop faulthandler is registered
+    there on one fd, and before each fork a new memfd for that rank takes
+    that fd's place, so each rank is born armed with a file of its own.
+    Registering and making the file in each worker instead copied some 20
+    pages (80 KiB) per worker, measured.
+
+    A forking process that catches the signal already (itself an armed
+    rank, or code of its own took it) is left as it is: its workers then
+    arm themselves (``in_worker`` True), or, with stacks off, drop what
+    they inherited (``in_worker`` False).
+    """
+
+    def __init__(self, wanted: bool) -> None:
+        self.fd = -1
+        caught = _catches_stacks_signal()
+        self.here = wanted and not caught
+        self.in_worker: bool | None = None if self.here or not caught else wanted
+
+    def before_fork(self, rank: int) -> None:
+        """Put ``rank``'s own memfd where the registration writes.  Out of
+        fds: the rest of the launch goes without (never another rank's
+        file)."""
+        if not self.here:
+            return
+        try:
+            fd = stacks_memfd(rank)
+        except OSError:
+            self.after_launch()
+            self.here = False
+            return
+        if self.fd < 0:
+            faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
+            self.fd = fd
+        else:
+            os.dup2(fd, self.fd, inheritable=False)
+            os.close(fd)
+
+    def after_launch(self) -> None:
+        """The forking process keeps neither the registration nor a file."""
+        if self.fd >= 0:
+            faulthandler.unregister(STACKS_SIGNAL)
+            os.close(self.fd)
+            self.fd = -1
 
 
 class ForkSpec:
@@ -494,7 +569,9 @@ class ForkSpec:
         match_torch_threads: ``torch_threads_to_match(envs)``, decided once
             before forking (reading the environment in every worker, a
             KeyError and all, cost 150 us a worker with torch loaded).
-        stacks: each worker arms the stack dump (arm_stacks).
+        stacks: what each worker does of the stack dump itself: None
+            nothing (born armed, or stacks off), True arm_stacks, False
+            disarm_stacks (see ForkStacks.in_worker).
     """
 
     __slots__ = (
@@ -528,7 +605,7 @@ class ForkSpec:
         stdin: int | None = -1,
         process_state: dict[str, Any] | None = None,
         from_zygote: bool = False,
-        stacks: bool = False,
+        stacks: bool | None = None,
     ) -> None:
         self.parent = parent
         self.fn = fn
@@ -609,8 +686,16 @@ def _set_up_forked(
     _after_fork(rank, spec.daemon)
     if not spec.from_zygote:  # the zygote's is the caller already
         _set_parent_process(spec.parent)
-    if spec.stacks:
+    _forked_stacks(spec, rank)
+
+
+def _forked_stacks(spec: ForkSpec, rank: int) -> None:
+    """What a forked worker does of its stack dump itself: mostly nothing
+    (see ForkStacks)."""
+    if spec.stacks is True:
         arm_stacks(rank)
+    elif spec.stacks is False:
+        disarm_stacks()
 
 
 def preparation_data(name: str) -> dict[str, Any]:

@@ -506,7 +506,9 @@ class _Zygote:
         counted live until reaped); the pids returned are then none."""
         if header.nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
             self.collapse_now()
+        stacks = _worker.ForkStacks(header.stacks)
         spec = self.worker_spec(header, launch, stdio, fn, args, payload_error)
+        spec.stacks = stacks.in_worker
         pids: list[int] = []
         # A signal landing between fork and _in_worker() would run the
         # zygote's handlers in the worker (SIGTERM would make it act as a
@@ -529,6 +531,7 @@ class _Zygote:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
             for rank in range(header.nprocs):
                 call = f"fork of rank {rank} of {header.nprocs}"
+                stacks.before_fork(rank)
                 pid = os.fork()
                 if pid == 0:
                     self.in_worker(spec, rank, group, stdio)
@@ -547,6 +550,7 @@ class _Zygote:
         finally:
             if group:
                 _oscall.release_group_anchor(group)
+            stacks.after_launch()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             stdio.close()
             _procstate.restore_limits(saved_limits)
@@ -575,7 +579,6 @@ class _Zygote:
             stdin=-1 if stdio.caller_in is None else stdio.caller_in,
             process_state=header.process_state,
             from_zygote=True,
-            stacks=header.stacks,
         )
         # The exit-time finalizers the workers must leave to the zygote.
         finalize = getattr(sys.modules.get("weakref"), "finalize", None)
@@ -912,7 +915,6 @@ def main() -> None:
     zygote = None
     try:
         zygote = _Zygote(control, parent, parent_fd)
-        _worker.prewarm_stacks()
         # The first message: the caller's spawn preparation data and preloads.
         data = control.recv(protocol.MAX_MESSAGE)
         if not data:

@@ -595,14 +595,38 @@ def test_bootstrap_arms_the_dump(tmp_path):
         assert _stacks.find_memfd(proc.pid) is not None
         assert _stacks.find_memfd(proc.pid)[1] == "3"  # type: ignore[index]
         pidfd = os.pidfd_open(proc.pid)
+        line = f'File "{tmp_path / "wait.py"}", line 4 in <module>'
         try:
-            found = _stacks.collect([_stacks.Target(3, proc.pid, pidfd)], 10)
+            found = until_all_show(
+                line, lambda: _stacks.collect([_stacks.Target(3, proc.pid, pidfd)], 10)
+            )
         finally:
             os.close(pidfd)
-        assert f'File "{tmp_path / "wait.py"}", line 4 in <module>' in found[3], found
+        assert line in found[3], found
         assert proc.poll() is None
     finally:
         proc.kill()
         proc.wait(30)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+def test_a_rank_that_launches_with_fork(stacks):
+    # The outer rank is armed (born so, by the zygote); its own "fork"
+    # workers get files of their own (or, stacks off, drop what they
+    # inherited), and the outer rank keeps its own.
+    ctx = fastspawn.start_processes(workers.nested_fork_launch, (stacks,), nprocs=1)
+    reports, found, before, after = ctx.return_values[0]
+    assert before is not None and before == after
+    for rank, links, catches in reports:
+        if stacks:
+            assert links == [f"/memfd:fastspawn-stacks:{rank} (deleted)"] and catches
+        else:
+            assert links == [] and not catches
+    if stacks:
+        assert sorted(found) == [0, 1]
+        line = waiting_line(workers.wait_in_sleep)
+        assert all(line in text for text in found.values()), found
+    else:
+        assert all(text.startswith("no Python stacks") for text in found.values()), found

@@ -578,3 +578,56 @@ def gloo_all_reduce_or_raise(rank: int, store_path: str, ready: Any) -> None:
     with ready.get_lock():
         ready.value += 1
     group.allreduce([torch.ones(1)]).wait()  # the waiting line
+
+
+def stack_memfds_then_wait(rank: int, queue: Any) -> None:
+    """Report the stack memfds this worker holds, and whether it catches
+    the stack signal, then wait."""
+    from fastspawn import _worker
+
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("/memfd:fastspawn-stacks:"):
+            links.append(link)
+    with open("/proc/self/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:"))
+    catches = bool(int(caught.split()[1], 16) >> (_worker.STACKS_SIGNAL - 1) & 1)
+    queue.put((rank, links, catches))
+    wait_in_sleep()
+
+
+def nested_fork_launch(rank: int, stacks: bool) -> tuple[Any, dict[int, str], Any, Any]:
+    """From inside a rank (armed), a "fork" launch of two ranks: what they
+    hold and catch, their stacks, and this rank's own memfd before and
+    after."""
+    import multiprocessing
+
+    from fastspawn import _stacks
+
+    before = _stacks.find_memfd(os.getpid())
+    queue = multiprocessing.get_context("fork").SimpleQueue()
+    ctx = fastspawn.start_processes(
+        stack_memfds_then_wait, (queue,), nprocs=2, join=False, start_method="fork", stacks=stacks
+    )
+    try:
+        reports = sorted(queue.get() for _ in range(2))
+        deadline = time.monotonic() + 30
+        while True:
+            found = ctx.dump_stacks()
+            shown = all("in wait_in_sleep" in text for text in found.values())
+            if not stacks or shown or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for proc in ctx.processes:
+            proc.kill()
+        try:
+            ctx.join(30)
+        except fastspawn.ProcessException:
+            pass
+        queue.close()
+    return reports, found, before, _stacks.find_memfd(os.getpid())

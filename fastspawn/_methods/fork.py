@@ -8,9 +8,11 @@ PR_SET_PDEATHSIG follows the forking thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from typing import NoReturn
 
 from fastspawn import _oscall, _worker
@@ -29,6 +31,7 @@ class Fork(common.ChildrenOfCaller):
 
 
 def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
+    stacks = _worker.ForkStacks(req.stacks)
     spec = _worker.ForkSpec(
         os.getpid(),
         req.fn,
@@ -38,13 +41,14 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
         envs=req.envs,
         close_fds=[rx.fileno()],
         stdin=None if req.keep_stdin else -1,
-        stacks=req.stacks,
+        stacks=stacks.in_worker,
     )
     _worker.flush_std_streams()
-    with common.launch_group(req, started) as group:
+    with common.launch_group(req, started) as group, _stacks_armed(stacks):
         for rank in range(req.nprocs):
             held = _oscall.held_signals()
             with held:  # from the fork until the worker is in ``started``
+                stacks.before_fork(rank)
                 pid = _fork(rank)
                 if pid == 0:
                     signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
@@ -63,6 +67,15 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
                 started.append((pid, pidfd))
                 if rank == req.nprocs - 1:
                     common.release_anchor(req)  # here, with the signals still held
+
+
+@contextlib.contextmanager
+def _stacks_armed(stacks: _worker.ForkStacks) -> Iterator[None]:
+    """For the fork loop: this process keeps no registration after it."""
+    try:
+        yield
+    finally:
+        stacks.after_launch()
 
 
 def _fork(rank: int) -> int:
