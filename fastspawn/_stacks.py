@@ -37,6 +37,7 @@ bootstrap that arms the same dump (``python_rank_argv``).
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
@@ -250,6 +251,7 @@ def collect(targets: Iterable[Target[K]], timeout: float) -> dict[K, str]:
     """
     stacks: dict[K, str] = {}
     dumps: list[_Dump[K]] = []
+    told: list[Target[K]] = []  # why no stacks, in stacks[key]
     try:
         hint = None
         for target in targets:
@@ -259,6 +261,7 @@ def collect(targets: Iterable[Target[K]], timeout: float) -> dict[K, str]:
                 hint = outcome.fd
             elif outcome is not None:
                 stacks[target.key] = outcome
+                told.append(target)
         for dump in list(dumps):
             try:
                 _oscall.pidfd_send_signal(dump.target.pidfd, STACKS_SIGNAL)
@@ -268,12 +271,25 @@ def collect(targets: Iterable[Target[K]], timeout: float) -> dict[K, str]:
         _wait(dumps, time.monotonic() + timeout)
         for dump in dumps:
             text = dump.text(timeout)
-            if text and (dump.done or _status(dump.target.pid) is not None):
+            if text and (dump.done or not _exited(dump.target)):
                 stacks[dump.target.key] = text  # (nothing: it exited first)
+        for target in told:
+            if _exited(target):  # what was said of it was its exit under way
+                del stacks[target.key]
     finally:
         for dump in dumps:
             os.close(dump.memfd)
     return stacks
+
+
+def _exited(target: Target[K]) -> bool:
+    """Whether the target has exited (its pidfd polls readable)."""
+    poller = select.poll()
+    poller.register(target.pidfd, select.POLLIN)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return True
 
 
 def _wait(dumps: Sequence[_Dump[K]], deadline: float) -> None:
