@@ -431,6 +431,7 @@ def _match_torch_threads() -> None:
 # process that shows it caught (SigCgt) and holds such a memfd.
 STACKS_SIGNAL = signal.SIGRTMIN + 20
 STACKS_MEMFD = "fastspawn-stacks"
+STACKS_PREFIX = STACKS_MEMFD.encode()  # fs_stacks_file's
 
 
 def stacks_memfd(rank: int) -> int:
@@ -504,6 +505,12 @@ class ForkStacks:
     Registering and making the file in each worker instead copied some 20
     pages (80 KiB) per worker, measured.
 
+    The loop itself calls the C function (``stacks_file(prefix, rank,
+    fd)``, locals all): every page the forking process writes between two
+    forks stays with the worker forked before as a page of its own, so a
+    Python call there (frames, refcounts, a code object's counters) would
+    cost each worker a few pages again.
+
     A forking process that catches the signal already (itself an armed
     rank, or code of its own took it) is left as it is: its workers then
     arm themselves (``in_worker`` True), or, with stacks off, drop what
@@ -511,32 +518,36 @@ class ForkStacks:
     """
 
     def __init__(self, wanted: bool) -> None:
-        self.fd = -1
         caught = _catches_stacks_signal()
         self.here = wanted and not caught
         self.in_worker: bool | None = None if self.here or not caught else wanted
+        self.fd = -1
+        # fs_stacks_file, while the loop arms its ranks; else None.
+        self.stacks_file: Callable[[bytes, int, int], int] | None = None
 
-    def before_fork(self, rank: int) -> None:
-        """Put ``rank``'s own memfd where the registration writes.  Out of
-        fds: the rest of the launch goes without (never another rank's
-        file)."""
+    def begin(self) -> None:
+        """Before the fork loop: register, writing to /dev/null until a
+        rank's file takes its place."""
         if not self.here:
             return
-        try:
-            fd = stacks_memfd(rank)
-        except OSError:
-            self.after_launch()
-            self.here = False
-            return
-        if self.fd < 0:
-            faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
-            self.fd = fd
-        else:
-            os.dup2(fd, self.fd, inheritable=False)
-            os.close(fd)
+        from fastspawn._core import lib  # loaded in the forking process already
 
-    def after_launch(self) -> None:
-        """The forking process keeps neither the registration nor a file."""
+        try:
+            self.fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # out of fds: the launch goes without
+        faulthandler.register(STACKS_SIGNAL, file=self.fd, all_threads=True)
+        self.stacks_file = lib.fs_stacks_file
+
+    def failed(self) -> None:
+        """A rank's file could not be made (out of fds): the rest of the
+        launch goes without, never with another rank's file."""
+        self.end()
+
+    def end(self) -> None:
+        """After the fork loop: the forking process keeps neither the
+        registration nor a file."""
+        self.stacks_file = None
         if self.fd >= 0:
             faulthandler.unregister(STACKS_SIGNAL)
             os.close(self.fd)
@@ -686,15 +697,16 @@ def _set_up_forked(
     _after_fork(rank, spec.daemon)
     if not spec.from_zygote:  # the zygote's is the caller already
         _set_parent_process(spec.parent)
-    _forked_stacks(spec, rank)
+    if spec.stacks is not None:  # no call otherwise: its pages would be copied
+        _forked_stacks(spec, rank)
 
 
 def _forked_stacks(spec: ForkSpec, rank: int) -> None:
-    """What a forked worker does of its stack dump itself: mostly nothing
-    (see ForkStacks)."""
-    if spec.stacks is True:
+    """What a forked worker does of its stack dump itself, when its parent
+    did not arm it (see ForkStacks)."""
+    if spec.stacks:
         arm_stacks(rank)
-    elif spec.stacks is False:
+    else:
         disarm_stacks()
 
 

@@ -521,6 +521,8 @@ class _Zygote:
         saved_limits = _procstate.adopt_fork_limits(header.process_state)
         group = 0
         call = "fs_group_anchor"  # what runs now, for the report of a failure
+        stacks.begin()
+        stacks_file, stacks_fd, prefix = stacks.stacks_file, stacks.fd, _worker.STACKS_PREFIX
         try:
             # The launch's process group is led by an anchor that exits at
             # once (its zombie holds the group until every rank has joined),
@@ -531,7 +533,9 @@ class _Zygote:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
             for rank in range(header.nprocs):
                 call = f"fork of rank {rank} of {header.nprocs}"
-                stacks.before_fork(rank)
+                if stacks_file is not None and stacks_file(prefix, rank, stacks_fd) != 0:
+                    stacks.failed()
+                    stacks_file = None
                 pid = os.fork()
                 if pid == 0:
                     self.in_worker(spec, rank, group, stdio)
@@ -550,7 +554,7 @@ class _Zygote:
         finally:
             if group:
                 _oscall.release_group_anchor(group)
-            stacks.after_launch()
+            stacks.end()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             stdio.close()
             _procstate.restore_limits(saved_limits)

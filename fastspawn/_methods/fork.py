@@ -45,10 +45,14 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
     )
     _worker.flush_std_streams()
     with common.launch_group(req, started) as group, _stacks_armed(stacks):
+        # Each rank born with its own stack file (see _worker.ForkStacks).
+        stacks_file, stacks_fd, prefix = stacks.stacks_file, stacks.fd, _worker.STACKS_PREFIX
         for rank in range(req.nprocs):
             held = _oscall.held_signals()
             with held:  # from the fork until the worker is in ``started``
-                stacks.before_fork(rank)
+                if stacks_file is not None and stacks_file(prefix, rank, stacks_fd) != 0:
+                    stacks.failed()
+                    stacks_file = None
                 pid = _fork(rank)
                 if pid == 0:
                     signal.pthread_sigmask(signal.SIG_SETMASK, held.previous)
@@ -71,11 +75,12 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
 
 @contextlib.contextmanager
 def _stacks_armed(stacks: _worker.ForkStacks) -> Iterator[None]:
-    """For the fork loop: this process keeps no registration after it."""
+    """For the fork loop: registered during it, not after."""
+    stacks.begin()
     try:
         yield
     finally:
-        stacks.after_launch()
+        stacks.end()
 
 
 def _fork(rank: int) -> int:
