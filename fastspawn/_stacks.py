@@ -178,14 +178,17 @@ class _Dump(Generic[K]):
 
     def finished(self) -> bool:
         """Whether the dump is whole (or the process gone); see the module
-        docstring, step 4."""
+        docstring, step 4.  An fstat while the file has not grown, or still
+        grows; /proc/PID/status only once it stopped growing."""
         size = os.fstat(self.memfd).st_size
         grew, self.size = size != self.size, size
+        if size <= self.start:
+            return _exited(self.target)  # not begun: gone, or still to come
+        if grew:
+            return False  # still writing
         fields = _status(self.target.pid)
         if fields is None or _state(fields) in "ZX":
             return True  # gone: what it wrote is all there is
-        if size <= self.start or grew:
-            return False  # not begun, or still writing
         if _has(fields, "ShdPnd") or _has(fields, "SigPnd"):
             return False
         # The main thread blocks the signal while its handler runs there.
@@ -293,17 +296,18 @@ def _exited(target: Target[K]) -> bool:
 
 
 def _wait(dumps: Sequence[_Dump[K]], deadline: float) -> None:
-    """Poll the dumps until each is whole or ``deadline`` passes; a short
-    pause first, then longer ones (a dump takes well under a millisecond
-    once the handler runs)."""
+    """Poll the dumps until each is whole or ``deadline`` passes: often at
+    first (a dump takes well under a millisecond once its handler runs, and
+    a look costs an fstat), then less (a rank that has not answered yet is
+    busy, or will not)."""
     pending = list(dumps)
-    pause = 0.0005
+    pause = 0.0002
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             return
         time.sleep(min(pause, left))
-        pause = min(2 * pause, 0.01)
+        pause = min(1.5 * pause, 0.005)
         for dump in list(pending):
             if dump.finished():
                 dump.done = True
