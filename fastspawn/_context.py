@@ -338,7 +338,7 @@ class ProcessContext:
         except Exception:
             log.exception("fastspawn: could not take the stacks of the other ranks")
             return
-        if self.rank_stacks:
+        if self.rank_stacks and log.isEnabledFor(logging.WARNING):
             block = _stacks.format_block(
                 (f"rank {rank} (pid {self.processes[rank].pid})", text)
                 for rank, text in self.rank_stacks.items()
