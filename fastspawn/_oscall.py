@@ -154,13 +154,14 @@ def require_pidfds() -> None:
     if _pidfds_checked:
         return
     try:
-        fd = pidfd_open(os.getpid())
-        try:
-            pidfd_wait(fd, nohang=True)  # not our child: ECHILD where supported
-        except ChildProcessError:
-            pass
-        finally:
-            os.close(fd)
+        with held_signals():  # a Ctrl-C here must not leave the fd open
+            fd = pidfd_open(os.getpid())
+            try:
+                pidfd_wait(fd, nohang=True)  # not our child: ECHILD where supported
+            except ChildProcessError:
+                pass
+            finally:
+                os.close(fd)
     except OSError as exc:
         if isinstance(exc, ChildProcessError):  # pragma: no cover - caught above
             raise

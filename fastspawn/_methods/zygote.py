@@ -104,13 +104,10 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> _zygote_client.Zygote
         binary=req.binary,
         stacks=req.stacks,
     )
+    payload_fd = -1
     try:
-        payload_fd = common.payload_memfd(header.encode() + work)
-    except BaseException:
-        for fd in opened:
-            os.close(fd)
-        raise
-    try:
+        with _oscall.held_signals():  # made and recorded, for the finally to close
+            payload_fd = common.payload_memfd(header.encode() + work)
         carried = [*collector.fds, *stdio_fds, *default_stdio]
         try:
             server.send_launch(tx.fileno(), payload_fd, carried)
@@ -121,7 +118,8 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> _zygote_client.Zygote
             server = _zygote_client.get_server()
             server.send_launch(tx.fileno(), payload_fd, carried)
     finally:
-        os.close(payload_fd)
+        if payload_fd >= 0:
+            os.close(payload_fd)
         for fd in opened:
             os.close(fd)
     return server
