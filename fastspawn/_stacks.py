@@ -56,7 +56,9 @@ _DELETED = " (deleted)"
 # forked from the caller, the caller's own launch), not the rank's.
 _RUN_FRAME = f'  File "{os.path.abspath(_worker.__file__)}", line '
 _PACKAGE_FRAME = f'  File "{os.path.dirname(os.path.abspath(_worker.__file__))}{os.sep}'
-_ZYGOTE_ENTRY = b"fastspawn._zygote import main"
+# In the command line of a zygote and of its guard (_zygote_client._ENTRY,
+# whatever the install's path), and so of every worker forked from it.
+_ZYGOTE_ENTRY = b"from fastspawn._zygote import main"
 # Below the caller, ranks are children (fork, spawn), grandchildren (the
 # zygote's guard, then the zygote) or one level further (a forkserver
 # inside a rank's own launch is a rank's business): the walk stops here.
@@ -383,16 +385,16 @@ def _memfd_of(pid: int) -> tuple[str, int] | None:
 
 class _Walk:
     """One process on the way down from ``ranks_below``'s root: how deep,
-    whether it is a zygote's guard (1) or the zygote proper (2), and the
+    its level (a zygote's guard: 1, the zygote proper: 2, else 0), and the
     inode of the stack memfd it holds (its children inherit that one: it
     makes none of them a rank)."""
 
-    __slots__ = ("pid", "depth", "zygote", "inode")
+    __slots__ = ("pid", "depth", "level", "inode")
 
-    def __init__(self, pid: int, depth: int, zygote: int, inode: int | None) -> None:
+    def __init__(self, pid: int, depth: int, level: int, inode: int | None) -> None:
         self.pid = pid
         self.depth = depth
-        self.zygote = zygote
+        self.level = level
         self.inode = inode
 
 
@@ -413,14 +415,14 @@ def ranks_below(root: int) -> list[tuple[str | None, int]]:
             fields = _status(pid)
             if fields is None or not _own(fields) or _state(fields) in "ZX":
                 continue
-            zygote = _ZYGOTE_ENTRY in _cmdline(pid) and parent.zygote < 2
+            zygote = _ZYGOTE_ENTRY in _cmdline(pid) and parent.level < 2
             memfd = None if zygote or not _has(fields, "SigCgt") else _memfd_of(pid)
             if memfd is not None and memfd[1] != parent.inode:
                 found.append((memfd[0], pid))
-            elif parent.zygote == 2:
+            elif parent.level == 2:
                 found.append((None, pid))
             elif parent.depth < _MAX_DEPTH:
-                level = parent.zygote + 1 if zygote else 0
+                level = parent.level + 1 if zygote else 0
                 inode = parent.inode if memfd is None else memfd[1]
                 todo.append(_Walk(pid, parent.depth + 1, level, inode))
     return found
