@@ -320,7 +320,7 @@ def _tidy(text: str) -> str:
     """A dump less what is not the rank's own: in each thread, the frames
     from the worker's ``run`` down, then fastspawn frames left at the
     bottom (elastic's run_function), and the bootstrap's ``<string>``
-    frame of a .py program under ``fastspawn run``."""
+    frames of a .py program under ``fastspawn run``."""
     threads = []
     for thread in text.split("\n\n"):
         lines = thread.split("\n")
@@ -329,11 +329,7 @@ def _tidy(text: str) -> str:
                 del lines[i:]
                 break
         while len(lines) > 2 and (
-            lines[-1].startswith(_PACKAGE_FRAME)
-            or (
-                lines[-1].startswith('  File "<string>", line ')
-                and lines[-1].endswith(" in <module>")
-            )
+            lines[-1].startswith(_PACKAGE_FRAME) or lines[-1].startswith('  File "<string>", ')
         ):
             lines.pop()
         threads.append("\n".join(lines))
@@ -436,19 +432,50 @@ def python_rank_argv(rank: int, program: str, args: Sequence[str]) -> list[str]:
     The program runs as ``__main__`` with the ``__file__``, ``__loader__``,
     ``sys.argv`` and ``sys.path[0]`` that Python gives a script, compiled
     from its file; a file that cannot be read, or a syntax error, reads and
-    exits as Python's own.  The traceback of an exception that ends the
-    program leaves out the bootstrap's frame (but for Python 3.10, where
-    one line ``File "<string>"`` stays above the program's frames).
+    exits as Python's own; the traceback of an exception that ends the
+    program starts at the program, as Python's (the bootstrap's frames are
+    left out by the hook that prints it).  ``sys.orig_argv`` shows the
+    bootstrap.
     """
     return ["-u", "-c", _PYTHON_RANK_BOOT, str(rank), program, *args]
 
 
 # Runs in __main__, which must end up as Python leaves it for a script: the
-# one name bound here is deleted before the program runs (the name the
-# ``except`` binds is unbound again as it ends).
+# one name bound here is deleted before the program runs.  An exception
+# that ends the program goes on to the interpreter, which prints it and
+# exits as for any script; the hook it prints with (sys.excepthook as the
+# program left it) is handed the traceback less the bootstrap's frames,
+# which all come from "<string>" and come first.
 _PYTHON_RANK_BOOT = f"""\
 def _fastspawn_boot():
     import faulthandler, os, sys
+
+    def run(path):
+        full = os.path.abspath(path)
+        try:
+            with open(path, "rb") as f:
+                source = f.read()
+        except OSError as exc:
+            sys.stderr.write(
+                f"{{sys.orig_argv[0]}}: can't open file {{full!r}}: [Errno {{exc.errno}}] "
+                f"{{exc.strerror}}\\n"
+            )
+            raise SystemExit(2) from None
+        if not getattr(sys.flags, "safe_path", False):
+            sys.path[0] = os.path.dirname(os.path.realpath(path))
+        from importlib.machinery import SourceFileLoader
+
+        loader = SourceFileLoader("__main__", full)
+        main.__dict__.update(__file__=full, __cached__=None, __loader__=loader)
+        exec(compile(source, full, "exec", dont_inherit=True), main.__dict__)
+
+    def excepthook(kind, value, tb, original=None):
+        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+            tb = tb.tb_next
+        if isinstance(value, BaseException):
+            value.__traceback__ = tb  # what the hook prints from
+        original(kind, value, tb)
+
     rank, path = sys.argv[1:3]
     del sys.argv[:2]
     try:
@@ -459,32 +486,13 @@ def _fastspawn_boot():
         faulthandler.register({STACKS_SIGNAL}, file=fd, all_threads=True)
     main = sys.modules["__main__"]
     del main._fastspawn_boot
-    full = os.path.abspath(path)
     try:
-        with open(path, "rb") as f:
-            source = f.read()
-    except OSError as exc:
-        sys.stderr.write(
-            f"{{sys.orig_argv[0]}}: can't open file {{full!r}}: [Errno {{exc.errno}}] "
-            f"{{exc.strerror}}\\n"
-        )
-        raise SystemExit(2) from None
-    if not getattr(sys.flags, "safe_path", False):
-        sys.path[0] = os.path.dirname(os.path.realpath(path))
-    from importlib.machinery import SourceFileLoader
-
-    loader = SourceFileLoader("__main__", full)
-    main.__dict__.update(__file__=full, __cached__=None, __loader__=loader)
-    return compile(source, full, "exec", dont_inherit=True), main.__dict__
+        run(path)
+    except BaseException:
+        excepthook.__defaults__ = (sys.excepthook,)  # as the program left it
+        sys.excepthook = excepthook
+        raise
 
 
-try:
-    exec(*_fastspawn_boot())
-except BaseException as _fastspawn_exc:
-    _fastspawn_tb = _fastspawn_exc.__traceback__
-    while _fastspawn_tb is not None and _fastspawn_tb.tb_frame.f_code.co_filename == "<string>":
-        _fastspawn_tb = _fastspawn_tb.tb_next
-    _fastspawn_exc.__traceback__ = _fastspawn_tb
-    del _fastspawn_tb
-    raise
+_fastspawn_boot()
 """
