@@ -39,6 +39,7 @@ ffibuilder.set_source(
             "launch.c",
             "group.c",
             "fdidentity.c",
+            "stacks.c",
         )
     ],
     include_dirs=["csrc"],

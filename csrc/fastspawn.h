@@ -100,4 +100,7 @@ int fs_group_anchor_release(pid_t anchor);
 int fs_same_file(int a, int b);
 int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
 
+/* stacks.c: each forked rank's own file for its stack dump */
+int fs_stacks_file(const char *prefix, int rank, int target);
+
 #endif

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 
-from fastspawn import _limits, elastic
+from fastspawn import _cli_stacks, _limits, _stacks, elastic
 
 RUN_DESCRIPTION = """\
 Start N copies (ranks) of a program on this node, each with the environment
@@ -30,6 +31,15 @@ code (128+N for a rank killed by signal N), with a one-line summary on stderr.
 
 Ctrl-C or SIGTERM stops every rank (SIGKILL after 10 s) and exits
 128+signal; a second Ctrl-C or SIGTERM kills every rank at once.
+
+Where the ranks are: when a rank fails, the Python stacks of every thread
+of the ranks still running are shown before they are stopped, and written
+to stacks.log in each rank's log directory; SIGUSR1 to this command shows
+them at any time, `fastspawn stacks PID` from another shell, and
+--hang-timeout when the job stops making progress (--hang-action kill then
+stops it, exit status 124).  A .py program gets them through a small
+bootstrap (python -u -c ... program.py); another program shows its state in
+the kernel only.  --no-stacks: none of it, SIGUSR1 left at its default.
 
 Inside a Slurm job step (under srun: SLURM_STEP_ID is set), --nnodes,
 --node-rank and --master-addr default to SLURM_NNODES, SLURM_NODEID and the
@@ -111,6 +121,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -189,6 +206,28 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--name", default=None, help="prefix name for tee'd lines (default: program)"
     )
+    parser.add_argument(
+        "--no-stacks",
+        dest="stacks",
+        action="store_false",
+        help="show no rank's stacks: a .py program runs as plain `python -u program`, "
+        "and SIGUSR1 keeps its default action (it ends the run)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="show every rank's stacks once no rank has written anything (output, or "
+        "to any file or socket) and none has exited for SECONDS",
+    )
+    parser.add_argument(
+        "--hang-action",
+        choices=("dump", "kill"),
+        default="dump",
+        help="after a --hang-timeout dump: keep running (dump, the default: again after "
+        "another quiet SECONDS) or stop every rank and exit 124 (kill)",
+    )
     parser.add_argument("program", help="the program (a .py file runs under this Python)")
     parser.add_argument("program_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -208,6 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_parser(run)
     run.set_defaults(command_parser=run)  # for the usage errors found after parsing
+    stacks = commands.add_parser(
+        "stacks",
+        help="print the Python stacks of every rank of a running job",
+        description="Print the Python stacks of every thread of every rank below process "
+        "PID: a `fastspawn run`, or a program that started ranks with fastspawn (only "
+        "this user's processes).  The ranks keep running.",
+    )
+    stacks.add_argument("pid", type=_positive, metavar="PID")
+    stacks.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=_stacks.DEMAND_TIMEOUT,
+        metavar="SECONDS",
+        help=f"how long to wait for the ranks' answers (default {_stacks.DEMAND_TIMEOUT:g})",
+    )
     bench = commands.add_parser(
         "bench", help="measure launch overhead on this machine", add_help=False
     )
@@ -444,9 +498,21 @@ class RunConfig:
     redirects: elastic.Std | dict[int, elastic.Std]
     tee: elastic.Std | dict[int, elastic.Std]
     max_restarts: int
+    stacks: bool = True  # --no-stacks: False
+    hang_timeout: float | None = None
+    hang_action: str = "dump"
+    python_program: bool = False  # a .py program, run by this Python
 
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nprocs + local_rank
+
+    def rank_argv(self, local_rank: int) -> tuple[str, ...]:
+        """A rank's arguments: a .py program goes through the bootstrap
+        that arms its stack dump, unless --no-stacks."""
+        if self.stacks and self.python_program:
+            rank = self.global_rank(local_rank)
+            return tuple(_stacks.python_rank_argv(rank, self.program, self.argv[2:]))
+        return self.argv
 
 
 def run_config(args: argparse.Namespace, environ: Mapping[str, str]) -> RunConfig:
@@ -476,6 +542,10 @@ def run_config(args: argparse.Namespace, environ: Mapping[str, str]) -> RunConfi
         redirects=args.redirects,
         tee=args.tee,
         max_restarts=args.max_restarts,
+        stacks=args.stacks,
+        hang_timeout=args.hang_timeout,
+        hang_action=args.hang_action,
+        python_program=program.endswith(".py"),
     )
 
 
@@ -563,9 +633,27 @@ def run(args: argparse.Namespace) -> int:
 def run_attempts(config: RunConfig, log_dir: LogDir | None) -> int:
     """Run the group, again after a failure up to --max-restarts times; the
     launcher's exit status."""
+    requests = _cli_stacks.DumpRequests() if config.stacks else None
+    # The ranks' stacks at a failure: shown by run_attempt, with global ranks.
+    drop = _cli_stacks.DropStacksRecord()
+    context_log = logging.getLogger("fastspawn._context")
+    context_log.addFilter(drop)
+    if requests is not None:
+        requests.install()
+    try:
+        return _run_attempts(config, log_dir, requests)
+    finally:
+        if requests is not None:
+            requests.uninstall()
+        context_log.removeFilter(drop)
+
+
+def _run_attempts(
+    config: RunConfig, log_dir: LogDir | None, requests: _cli_stacks.DumpRequests | None
+) -> int:
     try:
         for attempt in range(config.max_restarts + 1):
-            outcome = run_attempt(config, log_dir, attempt)
+            outcome = run_attempt(config, log_dir, attempt, requests)
             if isinstance(outcome, int):
                 return outcome
             if attempt < config.max_restarts:
@@ -584,12 +672,15 @@ def run_attempts(config: RunConfig, log_dir: LogDir | None) -> int:
 
 
 def run_attempt(
-    config: RunConfig, log_dir: LogDir | None, attempt: int
+    config: RunConfig,
+    log_dir: LogDir | None,
+    attempt: int,
+    requests: _cli_stacks.DumpRequests | None = None,
 ) -> int | elastic.ProcessFailure:
     """Start the group once and wait for it: the launcher's exit status when
     this ends the run (every rank succeeded, a stop signal, a program that
-    cannot start), else the first failed rank's failure, the other ranks
-    stopped.
+    cannot start, a hang stopped by --hang-action kill), else the first
+    failed rank's failure, the other ranks stopped.
 
     Raises:
         LogDirError: the attempt's log directory cannot be made.
@@ -612,13 +703,23 @@ def run_attempt(
         stop_signals.install()
         if attempt == 0 and log_dir is not None and log_dir.given is None:
             print(f"fastspawn run: logs in {log_dir.path}", file=sys.stderr)
-        result = ctx.wait()
-        assert result is not None
+        labels = _cli_stacks.RankLabels(config.global_rank, ctx.pids(), attempt_dir)
+        watch = _cli_stacks.RunWatch(ctx, labels, requests, config.hang_timeout, config.hang_action)
+        result = watch.wait()
+        if result is None:  # a hang, with --hang-action kill
+            print("fastspawn run: stopping every rank (--hang-action kill)", file=sys.stderr)
+            ctx.close(timeout=10)
+            return _cli_stacks.HANG_EXIT
         if not result.is_failed():
             return 0
         # The first failure comes first; the ranks stopped after it follow.
         local, failure = next(iter(result.failures.items()))
         print(describe(failure, config.global_rank(local)), file=sys.stderr)
+        if result.rank_stacks:
+            labels.show(
+                f"where the other ranks were when rank {config.global_rank(local)} failed",
+                result.rank_stacks,
+            )
         # Inside the try: a signal while the other ranks stop is handled
         # as one while they run.
         ctx.close(timeout=10)
@@ -643,7 +744,7 @@ def _start_ranks(
         return elastic.start_processes(
             name=config.name,
             entrypoint=config.entrypoint,
-            args={rank: config.argv for rank in range(config.nprocs)},
+            args={rank: config.rank_argv(rank) for rank in range(config.nprocs)},
             envs=envs,
             log_dir=attempt_dir,
             redirects=config.redirects,
@@ -651,6 +752,7 @@ def _start_ranks(
             log_line_prefixes={
                 rank: f"[{config.name}{config.global_rank(rank)}]:" for rank in range(config.nprocs)
             },
+            stacks=config.stacks,
         )
     except BaseException:
         # Nothing ran: keep no empty log directories.  start_processes
@@ -688,6 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
+    if args.command == "stacks":
+        return _cli_stacks.stacks_command(args.pid, args.timeout)
     try:
         return run(args)
     except UsageError as exc:

@@ -17,9 +17,10 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
-from fastspawn import _kernel_output, _launch, _limits, _oscall, _zygote_client
+from fastspawn import _kernel_output, _launch, _limits, _oscall, _stacks, _zygote_client
 from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
+    ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
     exited_exception,
@@ -29,7 +30,13 @@ from fastspawn._methods import registry
 from fastspawn._methods.base import StartMethod
 from fastspawn._methods.registry import StartMethodName
 from fastspawn._pickling import describe_unpicklable
-from fastspawn._process import Process, checked_seconds, running_among, wait_readable
+from fastspawn._process import (
+    Process,
+    checked_seconds,
+    pidfd_lock,
+    running_among,
+    wait_readable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,10 @@ class ProcessContext:
 
     Attributes:
         processes: one :class:`fastspawn.Process` per rank.
+        rank_stacks: after a failure, ``{rank: text}``: the Python stacks
+            of every thread of the ranks still running then, taken before
+            they were stopped (see :meth:`dump_stacks`); empty until then,
+            and with ``stacks=False``.
         return_values: ``{rank: value}`` of every rank that returned, once
             all are reaped (after a failure too: the ranks that finished
             before it keep their values).  Values arrive pickled and are
@@ -87,6 +98,7 @@ class ProcessContext:
         daemon: bool = False,
         group: int = 0,
         watched_groups: Sequence[int] = (),
+        stacks: bool = False,
     ) -> None:
         if not isinstance(receiver, Receiver):
             # Not an AttributeError on .fileno() somewhere below.
@@ -96,6 +108,8 @@ class ProcessContext:
                 "fastspawn.SpawnContext(processes, error_files)"
             )
         self.processes = processes
+        self._stacks = stacks  # the workers armed the stack dump: take it at a failure
+        self.rank_stacks: dict[int, str] = {}
         self._group = group  # process group of the workers (zygote), 0: none
         self._watched_groups = list(watched_groups)  # see LaunchRequest
         self._values: dict[int, Any] = {}  # see return_values
@@ -136,6 +150,38 @@ class ProcessContext:
     def pids(self) -> list[int]:
         """The workers' pids, by rank."""
         return [int(p.pid) for p in self.processes]
+
+    def dump_stacks(self, timeout: float = _stacks.DEMAND_TIMEOUT) -> dict[int, str]:
+        """The Python stacks of every thread of every rank still running,
+        as faulthandler writes them (most recent call first), taken without
+        the ranks' cooperation: a rank stuck in C code, a collective or a
+        lock answers too.  The ranks go on running.
+
+        Args:
+            timeout: seconds to wait for the ranks' answers, all together.
+
+        Returns:
+            ``{rank: text}`` in rank order, for the ranks running now.  A
+            rank that cannot answer (a binary, started with ``stacks=False``,
+            stopped, or past ``timeout``) gets a line saying why and what the
+            kernel says of it (its state, where it waits).
+        """
+        return self._take_stacks(self.processes, timeout)
+
+    def _take_stacks(self, procs: Sequence[Process], timeout: float) -> dict[int, str]:
+        """dump_stacks for ``procs``, through copies of their pidfds: another
+        thread may reap them and close theirs meanwhile (see pidfd_lock)."""
+        targets = []
+        try:
+            with pidfd_lock:
+                for proc in procs:
+                    if proc._exitcode is None and proc._pidfd >= 0:
+                        targets.append(_stacks.Target(proc.rank, proc.pid, os.dup(proc._pidfd)))
+            found = _stacks.collect(targets, timeout)
+        finally:
+            for target in targets:
+                os.close(target.pidfd)
+        return {rank: found[rank] for rank in sorted(found)}
 
     def _forget(self, proc: Process) -> None:
         """A worker's pidfd is about to close (it was reaped): stop watching
@@ -229,7 +275,7 @@ class ProcessContext:
         self._failed = True
         self._unreported = [rank]  # until raised below
         try:
-            self._stop_all(grace_period)
+            self._stop_all(grace_period, self.processes[rank])
         except Exception:
             log.exception(
                 "fastspawn: stopping the other workers after rank %d failed went wrong; "
@@ -325,9 +371,11 @@ class ProcessContext:
                 return
             self._collect(left)
 
-    def _stop_all(self, grace_period: float | None) -> None:
+    def _stop_all(self, grace_period: float | None, failed: Process) -> None:
         if grace_period is not None:
             self._wait_all(grace_period)
+        if self._stacks:
+            self._stacks_at_failure(failed)
         # running_among(), not is_alive(): the latter would wait for the exit
         # status of each worker that just died, one after the other.
         # Signal first, log after: hundreds of log records would otherwise
@@ -348,6 +396,33 @@ class ProcessContext:
                 proc.pid,
             )
         self._end()
+
+    def _stacks_at_failure(self, failed: Process) -> None:
+        """Take the stacks of the ranks still running (``rank_stacks``) and
+        log them, in one WARNING, before they are stopped.  Bounded by
+        _stacks.FAILURE_TIMEOUT; a failure here must not keep the ranks
+        from being stopped."""
+        live = running_among(self._pending.values())
+        if not live:
+            return
+        try:
+            self.rank_stacks = self._take_stacks(live, _stacks.FAILURE_TIMEOUT)
+        except Exception:
+            log.exception("fastspawn: could not take the stacks of the other ranks")
+            return
+        if self.rank_stacks and log.isEnabledFor(logging.WARNING):
+            block = _stacks.format_block(
+                (f"rank {rank} (pid {self.processes[rank].pid})", text)
+                for rank, text in self.rank_stacks.items()
+            )
+            log.warning(
+                "process %d (pid %d) failed; where the other processes were "
+                "(Python stacks, most recent call first), before they are stopped:\n%s",
+                failed.rank,
+                failed.pid,
+                block,
+                extra={"rank_stacks": self.rank_stacks},  # for handlers, and fastspawn run
+            )
 
     def _end(self, sig: int | None = None) -> None:
         """Send ``sig`` (if given) to every worker still running, wait for
@@ -385,7 +460,12 @@ class ProcessContext:
         for proc in procs_left:
             proc._signal(sig)
 
-    def _exception(self, rank: int) -> Exception:
+    def _exception(self, rank: int) -> ProcessException:
+        exc = self._torch_exception(rank)
+        exc.rank_stacks = dict(self.rank_stacks)  # beside the message, which stays torch's
+        return exc
+
+    def _torch_exception(self, rank: int) -> ProcessException:
         proc = self.processes[rank]
         tb = self._receiver.reports.errors.get(rank)
         if tb is not None:
@@ -631,6 +711,7 @@ def launch_context(request: _launch.LaunchRequest, join: bool = False) -> Proces
                 daemon=request.daemon,
                 group=request.group,
                 watched_groups=request.watched_groups,
+                stacks=request.stacks,
             )
         while join and not context.join():
             pass
@@ -660,6 +741,7 @@ def start_processes(
     *,
     envs: Mapping[int, Mapping[str, str]] | None = None,
     preload: Sequence[str] | None = None,
+    stacks: bool = True,
     **options: Any,
 ) -> ProcessContext:
     """Run ``fn(i, *args)`` in ``nprocs`` processes, ``i`` being the rank.
@@ -681,6 +763,12 @@ def start_processes(
         envs: ``{rank: {VAR: value}}`` set in that rank before ``fn`` runs.
         preload: modules the zygote imports before forking this launch
             (zygote and forkserver only; see also :func:`fastspawn.preload`).
+        stacks: each worker arms a dump of its threads' Python stacks
+            (faulthandler on fastspawn's stack signal, SIGRTMIN+20), so
+            that a failure shows where the other ranks were (the exception's
+            ``rank_stacks`` and a WARNING, the message itself staying
+            torch's) and :meth:`ProcessContext.dump_stacks` works; False
+            leaves the signal alone and the output as torch's.
 
     Returns:
         The :class:`ProcessContext` (joined when ``join`` is True; torch
@@ -736,6 +824,7 @@ def start_processes(
             method=method,
             envs=checked_envs,
             preload=preload_list,
+            stacks=bool(stacks),
         )
         context = launch_context(request, join)
     return context

@@ -13,15 +13,19 @@ class ProcessException(Exception):
         msg: the message.
         error_index: the rank that failed.
         error_pid: its pid (also available as ``pid``).
+        rank_stacks: ``{rank: text}``, the Python stacks of the other ranks
+            that still ran when this one failed, taken before they were
+            stopped (fastspawn's addition: empty with ``stacks=False``).
     """
 
-    __slots__ = ["error_index", "error_pid", "msg"]
+    __slots__ = ["error_index", "error_pid", "msg", "rank_stacks"]
 
     def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
         super().__init__(msg)
         self.msg = msg
         self.error_index = error_index
         self.error_pid = error_pid
+        self.rank_stacks: dict[int, str] = {}
 
     @property
     def pid(self) -> int:
@@ -29,7 +33,15 @@ class ProcessException(Exception):
         return self.error_pid
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.msg, self.error_index, self.error_pid)
+        return type(self), (self.msg, self.error_index, self.error_pid), self._state()
+
+    def _state(self) -> dict[str, Any] | None:
+        """What pickling keeps beside the constructor's arguments."""
+        return {"rank_stacks": self.rank_stacks} if self.rank_stacks else None
+
+    def __setstate__(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.rank_stacks = dict(state.get("rank_stacks", {}))
 
 
 class ProcessRaisedException(ProcessException):
@@ -57,6 +69,7 @@ class ProcessExitedException(ProcessException):
         return (
             type(self),
             (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name),
+            self._state(),
         )
 
 

@@ -36,6 +36,7 @@ class LaunchRequest:
         process_group: bool = True,
         keep_stdin: bool = False,
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
+        stacks: bool = True,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -54,6 +55,9 @@ class LaunchRequest:
         # method that can start it without a Python worker first (the
         # zygote, with the C launcher) does; the others run fn, which execs.
         self.binary = binary
+        # Python workers arm the stack dump (_worker.arm_stacks): the
+        # caller can then show where each rank was (see _stacks).
+        self.stacks = stacks
         # zygote: put the launch's workers in a process group of their own
         # (binary ranks lead a session each instead).
         self.process_group = process_group

@@ -9,6 +9,7 @@ import numbers
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -16,6 +17,11 @@ from fastspawn import _oscall
 from fastspawn._channel import Receiver
 
 log = logging.getLogger(__name__)
+
+# Held while a worker's pidfd is closed, and while another thread copies
+# pidfds to signal (ProcessContext.dump_stacks): a number closed under it
+# and reused by a new pidfd would send the signal to another process.
+pidfd_lock = threading.Lock()
 
 
 def checked_seconds(value: object, name: str, none_allowed: bool = True) -> float | None:
@@ -212,9 +218,10 @@ class Process:
         forget = self.on_close() if self.on_close is not None else None
         if forget is not None:
             forget(self)
-        try:
-            os.close(self._pidfd)
-        except OSError as exc:  # pragma: no cover - EBADF would be our bug
-            if exc.errno != errno.EBADF:
-                raise
-        self._pidfd = -1
+        with pidfd_lock:
+            try:
+                os.close(self._pidfd)
+            except OSError as exc:  # pragma: no cover - EBADF would be our bug
+                if exc.errno != errno.EBADF:
+                    raise
+            self._pidfd = -1

@@ -190,7 +190,7 @@ class StartedProcessesContext(SpawnContext):
                 break
         if failed is None:
             return not self.sentinels
-        self._stop_all(grace_period)
+        self._stop_started(grace_period)
         proc = self.processes[failed]
         traceback = rank_traceback(self.error_files[failed])
         if traceback is not None:
@@ -204,7 +204,7 @@ class StartedProcessesContext(SpawnContext):
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
 
-    def _stop_all(self, grace_period: float | None) -> None:
+    def _stop_started(self, grace_period: float | None) -> None:
         """After a failure: the grace period, SIGTERM, the grace period
         again (30 s when None), SIGKILL; every process joined."""
         if grace_period is not None:

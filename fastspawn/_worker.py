@@ -10,6 +10,7 @@ Each ends in ``os._exit`` with the worker's exit code.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import io
 import os
 import pickle
@@ -462,6 +463,138 @@ def _match_torch_threads() -> None:
         pass  # a torch without these: nothing to match
 
 
+# The signal on which a worker writes the Python stacks of all its threads
+# (faulthandler, from the signal handler: no cooperation from the code that
+# runs, the GIL not needed) to a memfd of its own, named
+# "fastspawn-stacks:RANK", which the launcher reads through /proc/PID/fd
+# (see _stacks).  A real-time signal, which user code rarely takes; its
+# default action would end the process, so the launcher sends it only to a
+# process that shows it caught (SigCgt) and holds such a memfd.
+STACKS_SIGNAL = signal.SIGRTMIN + 20
+STACKS_MEMFD = "fastspawn-stacks"
+STACKS_PREFIX = STACKS_MEMFD.encode()  # fs_stacks_file's
+
+
+def stacks_memfd(rank: int) -> int:
+    """A new memfd for ``rank``'s stacks: a memfd never blocks the writer
+    (a pipe left unread would hang the handler, and the rank with it) and
+    needs no file on disk.  (faulthandler writes each line in several
+    write() calls: the report channel, one message a write, cannot take
+    them.)"""
+    return os.memfd_create(f"{STACKS_MEMFD}:{rank}", os.MFD_CLOEXEC)
+
+
+def _catches_stacks_signal() -> bool:
+    """Whether this process catches STACKS_SIGNAL already (it is an armed
+    rank, or code of its own took the signal), as the kernel says."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (STACKS_SIGNAL - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _inherited_stacks_fd() -> int | None:
+    """The stack memfd this process inherited, forked from an armed one
+    (the registration it inherited too writes there), if any."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{STACKS_MEMFD}:"):
+                return int(name)
+        except OSError:
+            pass  # the listing's own fd
+    return None
+
+
+def arm_stacks(rank: int) -> None:
+    """Make this process write its stacks to a memfd of its own on
+    STACKS_SIGNAL, itself: a spawned worker, or one forked from an armed
+    rank (the new file then takes the place of the inherited one, its
+    parent's, where the inherited registration writes).  Out of fds, the
+    worker runs without.  (Forked workers are mostly born armed instead:
+    see ForkStacks.)"""
+    try:
+        inherited = _inherited_stacks_fd()
+        fd = stacks_memfd(rank)
+    except OSError:
+        return
+    if inherited is not None:
+        os.dup2(fd, inherited, inheritable=False)
+        os.close(fd)
+    else:
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True)
+
+
+def disarm_stacks() -> None:
+    """Drop the stack dump this process inherited from an armed parent (a
+    launch with stacks off, forked from a rank), if it did."""
+    inherited = _inherited_stacks_fd()
+    if inherited is not None:
+        faulthandler.unregister(STACKS_SIGNAL)
+        os.close(inherited)
+
+
+class ForkStacks:
+    """The stack dumps of one forked launch's ranks (the zygote's, or
+    start method fork's), armed by the forking process at no cost to the
+    ranks: for the length of the fork loop faulthandler is registered
+    there on one fd, and before each fork a new memfd for that rank takes
+    that fd's place, so each rank is born armed with a file of its own.
+    Registering and making the file in each worker instead copied some 20
+    pages (80 KiB) per worker, measured.
+
+    The loop itself calls the C function (``stacks_file(prefix, rank,
+    fd)``, locals all): every page the forking process writes between two
+    forks stays with the worker forked before as a page of its own, so a
+    Python call there (frames, refcounts, a code object's counters) would
+    cost each worker a few pages again.
+
+    A forking process that catches the signal already (itself an armed
+    rank, or code of its own took it) is left as it is: its workers then
+    arm themselves (``in_worker`` True), or, with stacks off, drop what
+    they inherited (``in_worker`` False).
+    """
+
+    def __init__(self, wanted: bool) -> None:
+        caught = _catches_stacks_signal()
+        self.here = wanted and not caught
+        self.in_worker: bool | None = None if self.here or not caught else wanted
+        self.fd = -1
+        # fs_stacks_file, while the loop arms its ranks; else None.
+        self.stacks_file: Callable[[bytes, int, int], int] | None = None
+
+    def begin(self) -> None:
+        """Before the fork loop: register, writing to /dev/null until a
+        rank's file takes its place."""
+        if not self.here:
+            return
+        from fastspawn._core import lib  # loaded in the forking process already
+
+        try:
+            self.fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # out of fds: the launch goes without
+        faulthandler.register(STACKS_SIGNAL, file=self.fd, all_threads=True)
+        self.stacks_file = lib.fs_stacks_file
+
+    def failed(self) -> None:
+        """A rank's file could not be made (out of fds): the rest of the
+        launch goes without, never with another rank's file."""
+        self.end()
+
+    def end(self) -> None:
+        """After the fork loop: the forking process keeps neither the
+        registration nor a file."""
+        self.stacks_file = None
+        if self.fd >= 0:
+            faulthandler.unregister(STACKS_SIGNAL)
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ForkSpec:
     """What every rank of one forked launch (start method fork, or the
     zygote's) shares, built once before the fork loop.
@@ -488,6 +621,9 @@ class ForkSpec:
         match_torch_threads: ``torch_threads_to_match(envs)``, decided once
             before forking (reading the environment in every worker, a
             KeyError and all, cost 150 us a worker with torch loaded).
+        stacks: what each worker does of the stack dump itself: None
+            nothing (born armed, or stacks off), True arm_stacks, False
+            disarm_stacks (see ForkStacks.in_worker).
     """
 
     __slots__ = (
@@ -504,6 +640,7 @@ class ForkSpec:
         "from_zygote",
         "channel",
         "match_torch_threads",
+        "stacks",
     )
 
     def __init__(
@@ -520,6 +657,7 @@ class ForkSpec:
         stdin: int | None = -1,
         process_state: dict[str, Any] | None = None,
         from_zygote: bool = False,
+        stacks: bool | None = None,
     ) -> None:
         self.parent = parent
         self.fn = fn
@@ -534,6 +672,7 @@ class ForkSpec:
         self.from_zygote = from_zygote
         self.channel = channel_identity(tx)
         self.match_torch_threads = torch_threads_to_match(envs)
+        self.stacks = stacks
 
 
 def forked_child(
@@ -599,6 +738,17 @@ def _set_up_forked(
     _after_fork(rank, spec.daemon)
     if not spec.from_zygote:  # the zygote's is the caller already
         _set_parent_process(spec.parent)
+    if spec.stacks is not None:  # no call otherwise: its pages would be copied
+        _forked_stacks(spec, rank)
+
+
+def _forked_stacks(spec: ForkSpec, rank: int) -> None:
+    """What a forked worker does of its stack dump itself, when its parent
+    did not arm it (see ForkStacks)."""
+    if spec.stacks:
+        arm_stacks(rank)
+    else:
+        disarm_stacks()
 
 
 def preparation_data(name: str) -> dict[str, Any]:
@@ -651,8 +801,9 @@ def read_payload(fd: int) -> io.BytesIO:
 def spawn_main() -> NoReturn:
     """Entry of a spawned worker (a fresh interpreter); never returns.
 
-    argv: rank, payload fd, channel fd, daemon flag, resource tracker fd
-    (-1: none), line-buffered stdout flag, then the inherited fds.
+    argv: rank, payload fd, channel fd, daemon flag, stacks flag (see
+    arm_stacks), resource tracker fd (-1: none), line-buffered stdout flag,
+    then the inherited fds.
     PR_SET_PDEATHSIG was armed before exec by the C launcher, with the
     parent re-checked.
     """
@@ -661,10 +812,12 @@ def spawn_main() -> NoReturn:
     tx = socket.socket(fileno=int(sys.argv[3]))
     tx.set_inheritable(False)  # inherited for exec only: not by our children
     daemon = sys.argv[4] == "1"
-    tracker_fd = int(sys.argv[5])
-    if sys.argv[6] == "1":
+    if sys.argv[5] == "1":
+        arm_stacks(rank)  # first: a main module whose import hangs shows where
+    tracker_fd = int(sys.argv[6])
+    if sys.argv[7] == "1":
         line_buffer_stdout()
-    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[7:]]
+    _pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[8:]]
     code, signum = 1, 0
     try:
         quiet_stdin()

@@ -506,7 +506,9 @@ class _Zygote:
         counted live until reaped); the pids returned are then none."""
         if header.nprocs >= _COLLAPSE_BEFORE_FORKING and not self.workers:
             self.collapse_now()
+        stacks = _worker.ForkStacks(header.stacks)
         spec = self.worker_spec(header, launch, stdio, fn, args, payload_error)
+        spec.stacks = stacks.in_worker
         pids: list[int] = []
         # A signal landing between fork and _in_worker() would run the
         # zygote's handlers in the worker (SIGTERM would make it act as a
@@ -519,6 +521,8 @@ class _Zygote:
         saved_limits = _procstate.adopt_fork_limits(header.process_state)
         group = 0
         call = "fs_group_anchor"  # what runs now, for the report of a failure
+        stacks.begin()
+        stacks_file, stacks_fd, prefix = stacks.stacks_file, stacks.fd, _worker.STACKS_PREFIX
         try:
             # The launch's process group is led by an anchor that exits at
             # once (its zombie holds the group until every rank has joined),
@@ -529,6 +533,9 @@ class _Zygote:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
             for rank in range(header.nprocs):
                 call = f"fork of rank {rank} of {header.nprocs}"
+                if stacks_file is not None and stacks_file(prefix, rank, stacks_fd) != 0:
+                    stacks.failed()
+                    stacks_file = None
                 pid = os.fork()
                 if pid == 0:
                     self.in_worker(spec, rank, group, stdio)
@@ -547,6 +554,7 @@ class _Zygote:
         finally:
             if group:
                 _oscall.release_group_anchor(group)
+            stacks.end()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             stdio.close()
             _procstate.restore_limits(saved_limits)

@@ -100,6 +100,7 @@ class LaunchHeader:
             workers that exec it; else None.
         line_buffered: the caller's stdout shows lines as they are printed
             (a terminal, a notebook): the workers' is made line-buffered.
+        stacks: forked workers arm the stack dump (_worker.arm_stacks).
     The fds arrive in that order: user fds, stdio slots, the caller's stdio.
     """
 
@@ -119,6 +120,7 @@ class LaunchHeader:
         "default_stdio",
         "binary",
         "line_buffered",
+        "stacks",
     )
 
     def __init__(
@@ -139,6 +141,7 @@ class LaunchHeader:
         default_stdio: int,
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
         line_buffered: bool = False,
+        stacks: bool = True,
     ) -> None:
         self.nprocs = int(nprocs)
         self.daemon = bool(daemon)
@@ -159,6 +162,7 @@ class LaunchHeader:
             else (binary[0], {rank: list(argv) for rank, argv in binary[1].items()})
         )
         self.line_buffered = bool(line_buffered)
+        self.stacks = bool(stacks)
 
     def __repr__(self) -> str:
         return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, BinaryIO
 
-from fastspawn import _context, _launch, _limits, _numa
+from fastspawn import _context, _launch, _limits, _numa, _stacks
 from fastspawn._elastic_worker import ERROR_FILE_ENV, exec_binary, run_function
 from fastspawn._errors import ProcessException
 from fastspawn._methods import registry
@@ -141,7 +141,12 @@ def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, S
 
 @dataclass
 class ProcessFailure:
-    """A failed rank: its exit code and what its error file says."""
+    """A failed rank: its exit code and what its error file says.
+
+    ``rank_stacks`` (fastspawn's addition): ``{local rank: text}``, the
+    Python stacks of the ranks that still ran when this one failed, taken
+    before they were stopped (empty with ``stacks=False``).
+    """
 
     local_rank: int
     pid: int
@@ -150,6 +155,7 @@ class ProcessFailure:
     error_file_data: dict[str, Any] = field(init=False)
     message: str = field(init=False)
     timestamp: int = field(init=False)
+    rank_stacks: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.error_file_data = dict(_EMPTY_ERROR_DATA)
@@ -225,12 +231,15 @@ class ProcessFailure:
 
 @dataclass
 class RunProcsResult:
-    """What ``wait`` returns: all succeeded, or the failure(s) that ended the run."""
+    """What ``wait`` returns: all succeeded, or the failure(s) that ended the
+    run; after a failure, ``rank_stacks`` (fastspawn's addition) holds the
+    Python stacks of the ranks that still ran then, by local rank."""
 
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
+    rank_stacks: dict[int, str] = field(default_factory=dict, repr=False)
 
     def is_failed(self) -> bool:
         return len(self.failures) > 0
@@ -485,6 +494,7 @@ class PContext:
         binary_path: str | None = None,
         filtered: Mapping[str, tuple[str, Sequence[str]]] | None = None,
         numa: _numa.NumaBinding | None = None,
+        stacks: bool = True,
     ) -> None:
         self.name = name
         self.entrypoint = entrypoint
@@ -509,6 +519,7 @@ class PContext:
         }
         self._line_filters: dict[str, LineFilter] = {}
         self.numa = numa  # numa_options, checked: see _numa
+        self.stacks = stacks
         self._ctx: _context.ProcessContext | None = None
         self._tee = Tee()
         self._result: RunProcsResult | None = None
@@ -641,6 +652,7 @@ class PContext:
             # subprocess handler; function ranks read /dev/null.
             keep_stdin=binary is not None,
             binary=binary,
+            stacks=self.stacks,
         )
 
     def _binary_argvs(self) -> tuple[str, dict[int, list[str]]]:
@@ -666,6 +678,15 @@ class PContext:
             return {}
         return dict(enumerate(self._ctx.pids()))
 
+    def dump_stacks(self, timeout: float = _stacks.DEMAND_TIMEOUT) -> dict[int, str]:
+        """``{rank: text}``: the Python stacks of every thread of each rank
+        still running, taken without stopping it (see
+        :meth:`fastspawn.ProcessContext.dump_stacks`).  A binary rank has
+        none: it gets a line on its state in the kernel instead."""
+        if self._ctx is None:
+            return {}
+        return self._ctx.dump_stacks(timeout)
+
     def _poll(self, timeout: float | None) -> RunProcsResult | None:
         assert self._ctx is not None, "start() first"
         if self._result is not None:
@@ -677,7 +698,10 @@ class PContext:
             self._tee.join(idle_timeout=5.0)
             _forget_context(self)
             self._result = RunProcsResult(
-                failures=self._failures(exc), stdouts=self.stdouts, stderrs=self.stderrs
+                failures=self._failures(exc),
+                stdouts=self.stdouts,
+                stderrs=self.stderrs,
+                rank_stacks=exc.rank_stacks,
             )
             return self._result
         if not done:
@@ -706,6 +730,8 @@ class PContext:
                 pid=proc.pid,
                 exitcode=code if code is not None else 1,
                 error_file=self.error_files[proc.rank],
+                # Where the others were when the first failed: its alone.
+                rank_stacks=exc.rank_stacks if proc is first else {},
             )
         return failures
 
@@ -881,6 +907,7 @@ def start_processes(
     duplicate_stdout_filters: Sequence[str] | None = None,
     duplicate_stderr_filters: Sequence[str] | None = None,
     numa_options: Any = None,
+    stacks: bool = True,
 ) -> PContext:
     """Start ``len(args)`` copies of ``entrypoint``, a function or a binary.
 
@@ -925,6 +952,11 @@ def start_processes(
             no torch, fewer GPUs than ranks, no ``numactl`` for binaries)
             ``RuntimeError``, or with ``should_fall_back_if_binding_fails``
             a warning and no binding.
+        stacks: function ranks arm a dump of their Python stacks, so that
+            a failure records where the other ranks were
+            (``RunProcsResult.rank_stacks``, ``ProcessFailure.rank_stacks``,
+            a WARNING) and :meth:`PContext.dump_stacks` works; binary ranks
+            get a line on their kernel state.  False: none of it.
 
     Raises:
         TypeError: both or neither of ``log_dir`` and ``logs_specs``, or
@@ -991,6 +1023,7 @@ def start_processes(
             binary_path=binary_path,
             filtered=_filtered_copies(dest, filters),
             numa=numa,
+            stacks=stacks,
         )
         context.start()  # leaves no fd and no rank behind when it fails
     except BaseException:

@@ -652,3 +652,133 @@ def torch_style_wrap_queue(fn: Any, rank: int, args: tuple[Any, ...], error_queu
 
         error_queue.put(traceback.format_exc())
         sys.exit(1)
+
+
+# ------------------------------------------------- stacks (test_stacks.py)
+
+
+def barrier_or_raise(rank: int, barrier: Any) -> None:
+    """Rank 1 raises once every other rank waits in the barrier, where they
+    stay: it takes all four."""
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while barrier.n_waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise ValueError("rank 1 fails while the others wait")
+    barrier.wait()  # the waiting line
+
+
+def elastic_barrier_or_raise(rank: int, barrier: Any) -> None:
+    barrier_or_raise(rank, barrier)
+
+
+def wait_in_sleep() -> None:
+    while True:
+        time.sleep(60)  # the waiting line
+
+
+def ready_then_wait(rank: int, queue: Any) -> None:
+    queue.put(rank)
+    wait_in_sleep()
+
+
+def close_stack_memfd_then_wait(rank: int, queue: Any) -> None:
+    """Close the stack memfd and give its number to another file, as code
+    that closes fds it does not know of might: the signal must not reach
+    this rank now (its handler would write into that file)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("/memfd:fastspawn-stacks:"):
+            os.close(int(name))
+            globals()["_taken"] = os.open(os.devnull, os.O_WRONLY)
+    queue.put(rank)
+    wait_in_sleep()
+
+
+_gloo_keep: list[Any] = []
+
+
+def gloo_all_reduce_or_raise(rank: int, store_path: str, ready: Any) -> None:
+    """Ranks 0, 2 and 3 wait in a gloo all_reduce for a fourth member that
+    never contributes (it lives in a thread of rank 0); rank 1 raises once
+    they are in it.  Rank 1 is no member: its end closes no connection of
+    theirs, so they stay in the all_reduce until stopped."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while ready.value < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # from the count to the all_reduce call: a few lines
+        raise ValueError("rank 1 fails while the others wait")
+    store = dist.FileStore(store_path, 3)
+    timeout = timedelta(seconds=300)
+    if rank == 0:
+        threading.Thread(
+            target=lambda: _gloo_keep.append(dist.ProcessGroupGloo(store, 3, 4, timeout)),
+            daemon=True,
+        ).start()
+    group = dist.ProcessGroupGloo(store, {0: 0, 2: 1, 3: 2}[rank], 4, timeout)
+    with ready.get_lock():
+        ready.value += 1
+    group.allreduce([torch.ones(1)]).wait()  # the waiting line
+
+
+def stack_memfds_then_wait(rank: int, queue: Any) -> None:
+    """Report the stack memfds this worker holds, and whether it catches
+    the stack signal, then wait."""
+    from fastspawn import _worker
+
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("/memfd:fastspawn-stacks:"):
+            links.append(link)
+    with open("/proc/self/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:"))
+    catches = bool(int(caught.split()[1], 16) >> (_worker.STACKS_SIGNAL - 1) & 1)
+    queue.put((rank, links, catches))
+    wait_in_sleep()
+
+
+def nested_fork_launch(rank: int, stacks: bool) -> tuple[Any, dict[int, str], Any, Any]:
+    """From inside a rank (armed), a "fork" launch of two ranks: what they
+    hold and catch, their stacks, and this rank's own memfd before and
+    after."""
+    import multiprocessing
+
+    from fastspawn import _stacks
+
+    before = _stacks.find_memfd(os.getpid())
+    queue = multiprocessing.get_context("fork").SimpleQueue()
+    ctx = fastspawn.start_processes(
+        stack_memfds_then_wait, (queue,), nprocs=2, join=False, start_method="fork", stacks=stacks
+    )
+    try:
+        reports = sorted(queue.get() for _ in range(2))
+        deadline = time.monotonic() + 30
+        while True:
+            found = ctx.dump_stacks()
+            shown = all("in wait_in_sleep" in text for text in found.values())
+            if not stacks or shown or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for proc in ctx.processes:
+            proc.kill()
+        try:
+            ctx.join(30)
+        except fastspawn.ProcessException:
+            pass
+        queue.close()
+    return reports, found, before, _stacks.find_memfd(os.getpid())

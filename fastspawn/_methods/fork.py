@@ -8,9 +8,11 @@ PR_SET_PDEATHSIG follows the forking thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from typing import NoReturn
 
 from fastspawn import _oscall, _worker
@@ -29,6 +31,7 @@ class Fork(common.ChildrenOfCaller):
 
 
 def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
+    stacks = _worker.ForkStacks(req.stacks)
     spec = _worker.ForkSpec(
         os.getpid(),
         req.fn,
@@ -38,12 +41,18 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
         envs=req.envs,
         close_fds=[rx.fileno()],
         stdin=None if req.keep_stdin else -1,
+        stacks=stacks.in_worker,
     )
     _worker.flush_std_streams()
-    with common.launch_group(req, started) as group:
+    with common.launch_group(req, started) as group, _stacks_armed(stacks):
+        # Each rank born with its own stack file (see _worker.ForkStacks).
+        stacks_file, stacks_fd, prefix = stacks.stacks_file, stacks.fd, _worker.STACKS_PREFIX
         for rank in range(req.nprocs):
             held = _oscall.held_signals()
             with held:  # from the fork until the worker is in ``started``
+                if stacks_file is not None and stacks_file(prefix, rank, stacks_fd) != 0:
+                    stacks.failed()
+                    stacks_file = None
                 pid = _fork(rank)
                 if pid == 0:
                     _in_worker(spec, rank, group, req.stdio.get(rank), held.previous)
@@ -61,6 +70,16 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
                 started.append((pid, pidfd))
                 if rank == req.nprocs - 1:
                     common.release_anchor(req)  # here, with the signals still held
+
+
+@contextlib.contextmanager
+def _stacks_armed(stacks: _worker.ForkStacks) -> Iterator[None]:
+    """For the fork loop: registered during it, not after."""
+    stacks.begin()
+    try:
+        yield
+    finally:
+        stacks.end()
 
 
 def _fork(rank: int) -> int:

@@ -53,7 +53,8 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
         with _oscall.held_signals():  # made and recorded, for the finally to close
             payload_fd = common.payload_memfd(payload)
         del payload
-        tail = [str(payload_fd), str(tx.fileno()), "1" if req.daemon else "0", str(tracker or -1)]
+        flags = ["1" if req.daemon else "0", "1" if req.stacks else "0"]
+        tail = [str(payload_fd), str(tx.fileno()), *flags, str(tracker or -1)]
         tail.append("1" if _worker.stdout_shows_lines() else "0")
         tail += [str(fd) for fd in collector.fds]
         keep = [payload_fd, tx.fileno(), *collector.fds]

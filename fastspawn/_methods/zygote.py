@@ -103,6 +103,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> _zygote_client.Zygote
         default_stdio=len(default_stdio),
         binary=req.binary,
         line_buffered=_worker.stdout_shows_lines(),
+        stacks=req.stacks,
     )
     payload_fd = -1
     try:
