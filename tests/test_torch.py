@@ -75,3 +75,20 @@ def test_omp_num_threads_of_a_rank_sizes_torchs_pool():
     envs = {0: {"OMP_NUM_THREADS": "1"}, 1: {"OMP_NUM_THREADS": "2"}}
     ctx = fastspawn.start_processes(workers.torch_threads, nprocs=2, envs=envs, preload=["torch"])
     assert ctx.return_values == {0: ("1", 1), 1: ("2", 2)}
+
+
+def test_patch_torch_routes_the_elastic_agents_worker_start(patched):
+    pytest.importorskip("torch.distributed.elastic")
+    import torch.distributed.elastic.multiprocessing as torch_elastic_mp
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    from fastspawn import _agent
+
+    # The agent's own binding (imported at its import) and the package's
+    # (read by code imported later) both start workers through fastspawn.
+    assert local_elastic_agent.start_processes is _agent.start_processes
+    assert torch_elastic_mp.start_processes is _agent.start_processes
+    fastspawn.unpatch_torch()
+    assert local_elastic_agent.start_processes.__module__.startswith("torch.")
+    assert torch_elastic_mp.start_processes is local_elastic_agent.start_processes
+    fastspawn.patch_torch(preload=False)  # the fixture unpatches again
