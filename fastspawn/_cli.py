@@ -316,7 +316,12 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="restart the whole group up to K times after a failure",
     )
-    _option(parser, "--name", default=None, help="prefix name for tee'd lines (default: program)")
+    _option(
+        parser,
+        "--name",
+        default=None,
+        help="prefix name for tee'd lines (default: program; under torch's agent, --role)",
+    )
     _program_options(parser)
     _rendezvous_options(parser)
     _agent_options(parser)

@@ -53,6 +53,7 @@ def run_main(target: str, module: bool, argv: Sequence[str]) -> None:
     its code).
     """
     _unbuffered_std_streams()
+    _main_process()
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     # For good, not for the call (runpy.run_path would put the old one back
@@ -69,6 +70,16 @@ def run_main(target: str, module: bool, argv: Sequence[str]) -> None:
     except BaseException as exc:
         _print_uncaught(exc, main.__dict__)
         raise
+
+
+def _main_process() -> None:
+    """multiprocessing's view of this process as a fresh interpreter's: the
+    main process, with no parent (code tells the main process from a
+    worker by these), rather than a zygote worker of the launcher."""
+    from multiprocessing import process
+
+    process.current_process().name = "MainProcess"
+    process._parent_process = None  # type: ignore[attr-defined]
 
 
 def _run_module(name: str, argv: Sequence[str]) -> None:

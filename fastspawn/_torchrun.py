@@ -91,6 +91,13 @@ def torch_args(args: argparse.Namespace, nprocs: int, torchrun: Any) -> argparse
     return namespace
 
 
+def restarts_possible(namespace: argparse.Namespace) -> bool:
+    """Whether torch's agent may start a second round of workers: after a
+    failure (--max-restarts), or when nodes join an elastic job (MIN < MAX)."""
+    low, _, high = str(namespace.nnodes).partition(":")
+    return int(namespace.max_restarts) > 0 or (bool(high) and int(high) > int(low))
+
+
 def run(
     args: argparse.Namespace,
     nprocs: int,
@@ -125,14 +132,16 @@ def run(
         # Before the rendezvous: a binary that is not there fails this
         # node alone, at once, not every node after the rendezvous.
         elastic._resolve_binary(entrypoint, os.environ)
-    # torch 2.13's agent shares its rendezvous TCPStore with the workers and
-    # keeps it from round to round, and init_process_group then prefixes
-    # nothing per attempt: after a restart, gloo reads the last attempt's
-    # peer addresses and fails to connect (torchrun itself fails so; see
-    # benchmarks/README.md).  torch's own opt-out gives each round a store of
-    # its own (hosted by rank 0, as without an agent).
-    os.environ.setdefault(SHARE_STORE_ENV, "1")
     namespace = torch_args(args, nprocs, torchrun)
+    if restarts_possible(namespace):
+        # torch 2.13's agent shares its rendezvous TCPStore with the workers
+        # and keeps it from round to round, and init_process_group then
+        # prefixes nothing per attempt: after a restart, gloo reads the last
+        # attempt's peer addresses and fails to connect or hangs (torchrun
+        # itself does; see benchmarks/README.md).  torch's own opt-out gives
+        # each round a store of its own (hosted by rank 0, as without an
+        # agent).  Without restarts, torch's default stays.
+        os.environ.setdefault(SHARE_STORE_ENV, "1")
     namespace.log_dir = log_dir
     config, _cmd, _cmd_args = torchrun.config_from_args(namespace)
     _agent.route()

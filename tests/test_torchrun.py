@@ -79,6 +79,31 @@ def test_nnodes_takes_a_range():
     assert not _cli.wants_agent(parser.parse_args(["run", "--nnodes", "2", "x"]))
 
 
+def test_torchs_own_configuration_reads_our_options(tmp_path, monkeypatch):
+    torchrun = pytest.importorskip("torch.distributed.run")
+    from fastspawn import _torchrun
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args would set it here
+    args = _cli.build_parser().parse_args(
+        ["run", "--nnodes", "1:3", "--rdzv_backend", "c10d", "--rdzv-endpoint", "h:29400",
+         "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=5,last_call_timeout=1",
+         "--max-restarts", "2", "--monitor-interval", "0.5", "--role", "trainer",
+         "--tee", "0:1,1:3", "--local-ranks-filter", "1", "--log-dir", str(tmp_path), "x.py"]
+    )  # fmt: skip
+    namespace = _torchrun.torch_args(args, 2, torchrun)
+    config, _cmd, _args = torchrun.config_from_args(namespace)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (1, 3, 2)
+    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", "h:29400", "job7")
+    assert config.rdzv_configs == {"join_timeout": "5", "last_call_timeout": "1", "timeout": 900}
+    assert (config.max_restarts, config.monitor_interval, config.role) == (2, 0.5, "trainer")
+    assert config.logs_specs.root_log_dir == str(tmp_path)
+    assert _torchrun.restarts_possible(namespace)
+    fixed = _cli.build_parser().parse_args(["run", "--nnodes", "2", "--standalone", "x.py"])
+    namespace = _torchrun.torch_args(fixed, 1, torchrun)
+    assert namespace.rdzv_backend == "c10d" and namespace.rdzv_endpoint == "localhost:0"
+    assert not _torchrun.restarts_possible(namespace)
+
+
 def test_options_from_pet_variables(tmp_path):
     # torchrun's environment defaults (Kubeflow sets PET_NPROC_PER_NODE and the rest).
     prog = write(
@@ -134,11 +159,13 @@ def test_script_runs_as_main_in_the_zygote(tmp_path):
     prog = write(
         tmp_path / "prog.py",
         """
-        import json, os, sys
+        import json, multiprocessing, os, sys
         row = {
             "name": __name__, "argv": sys.argv, "path0": sys.path[0],
             "fastspawn": "fastspawn" in sys.modules, "mine": os.environ["MINE"],
             "rank": os.environ["RANK"], "main": sys.modules["__main__"].__file__,
+            "process": multiprocessing.current_process().name,
+            "parent": multiprocessing.parent_process(),
         }
         print(json.dumps(row) + "\\n", end="")  # one write: the ranks share the console
         """,
@@ -151,6 +178,7 @@ def test_script_runs_as_main_in_the_zygote(tmp_path):
         assert row["name"] == "__main__" and row["argv"] == [prog, "a", "--b"]
         assert row["path0"] == str(tmp_path) and row["main"] == prog
         assert row["fastspawn"] and row["mine"] == "7"  # a zygote worker, the caller's env
+        assert row["process"] == "MainProcess" and row["parent"] is None  # as if fresh
     fresh = fastspawn_run("--nproc-per-node", "1", "--exec", prog, cwd=tmp_path, env={"MINE": "7"})
     assert fresh.returncode == 0, fresh.stderr
     assert json.loads(fresh.stdout)["fastspawn"] is False  # a fresh interpreter
