@@ -178,9 +178,12 @@ def ddp_case(workdir: Path) -> dict[str, Callable[[], float]]:
 
 
 def measure(methods: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Every method once per round, in an order rotated each round; also
+    the 1-minute load average at the start of each round ("load")."""
     names = list(methods)
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[str, list[float]] = {name: [] for name in [*names, "load"]}
     for round_index in range(rounds):
+        samples["load"].append(os.getloadavg()[0])
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(methods[name]())
@@ -189,8 +192,15 @@ def measure(methods: dict[str, Callable[[], float]], rounds: int) -> dict[str, l
 
 def table(title: str, samples: dict[str, list[float]]) -> str:
     floor = statistics.median(samples["floor"])
-    lines = [title, f"{'method':<22}{'median s':>10}{'min-max s':>16}{'vs floor':>10}"]
+    load = samples["load"]
+    lines = [
+        f"{title}\n({len(load)} rounds; 1-minute load average {min(load):.1f}-{max(load):.1f}, "
+        f"median {statistics.median(load):.1f})",
+        f"{'method':<22}{'median s':>10}{'min-max s':>16}{'vs floor':>10}",
+    ]
     for name, values in samples.items():
+        if name == "load":
+            continue
         median = statistics.median(values)
         spread = f"{min(values):.2f}-{max(values):.2f}"
         lines.append(f"{name:<22}{median:>10.2f}{spread:>16}{median / floor:>9.2f}x")
