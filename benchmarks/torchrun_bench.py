@@ -96,18 +96,25 @@ def _stamps(text: str) -> list[float]:
     return found
 
 
+class RunFailed(Exception):
+    """A measured command failed; the message ends with its stderr's tail."""
+
+
 def _run_all(commands: list[list[str]], workdir: Path, expected: int) -> float:
     """Start ``commands`` together; seconds from the first start to the
-    latest stamp any of them printed (``expected`` stamps in all)."""
+    latest stamp any of them printed (``expected`` stamps in all).
+
+    Raises:
+        RunFailed: one exited non-zero, or fewer stamps came.
+    """
     env = {**os.environ, "TMPDIR": str(workdir), "PYTHONUNBUFFERED": "1"}
     outs = [workdir / f"out{i}" for i in range(len(commands))]
+    errs = [workdir / f"err{i}" for i in range(len(commands))]
     t0 = time.time()
     procs = []
-    for command, out in zip(commands, outs, strict=True):
-        with open(out, "w") as f:
-            procs.append(
-                subprocess.Popen(command, stdout=f, stderr=subprocess.DEVNULL, cwd=workdir, env=env)
-            )
+    for command, out, err in zip(commands, outs, errs, strict=True):
+        with open(out, "w") as f, open(err, "w") as e:
+            procs.append(subprocess.Popen(command, stdout=f, stderr=e, cwd=workdir, env=env))
     try:
         for proc in procs:
             proc.wait(timeout=TIMEOUT)
@@ -119,7 +126,11 @@ def _run_all(commands: list[list[str]], workdir: Path, expected: int) -> float:
     codes = [proc.returncode for proc in procs]
     stamps = [s for out in outs for s in _stamps(out.read_text())]
     if any(codes) or len(stamps) != expected:
-        raise RuntimeError(f"{commands[0][:6]}...: exit codes {codes}, {len(stamps)} stamps")
+        tails = [err.read_text()[-1500:] for err, code in zip(errs, codes, strict=True) if code]
+        raise RunFailed(
+            f"{' '.join(commands[0][:3])}...: exit codes {codes}, {len(stamps)} of {expected} "
+            f"stamps; stderr of the failed:\n" + "\n---\n".join(tails)
+        )
     return max(stamps) - t0
 
 
@@ -186,8 +197,17 @@ def measure(methods: dict[str, Callable[[], float]], rounds: int) -> dict[str, l
         samples["load"].append(os.getloadavg()[0])
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(methods[name]())
+            try:
+                samples[name].append(methods[name]())
+            except RunFailed as exc:
+                # Counted and shown, not timed: a launcher that fails now
+                # and then is part of what is measured.
+                FAILURES.setdefault(name, []).append(str(exc))
+                print(f"round {round_index}: {name} failed: {exc}", file=sys.stderr)
     return samples
+
+
+FAILURES: dict[str, list[str]] = {}
 
 
 def table(title: str, samples: dict[str, list[float]]) -> str:
@@ -201,9 +221,14 @@ def table(title: str, samples: dict[str, list[float]]) -> str:
     for name, values in samples.items():
         if name == "load":
             continue
+        if not values:
+            lines.append(f"{name:<22}{'every run failed':>26}")
+            continue
         median = statistics.median(values)
         spread = f"{min(values):.2f}-{max(values):.2f}"
-        lines.append(f"{name:<22}{median:>10.2f}{spread:>16}{median / floor:>9.2f}x")
+        failed = len(FAILURES.get(name, []))
+        note = f"   ({failed} failed)" if failed else ""
+        lines.append(f"{name:<22}{median:>10.2f}{spread:>16}{median / floor:>9.2f}x{note}")
     return "\n".join(lines)
 
 
@@ -231,9 +256,8 @@ def main() -> None:
     print(textwrap.fill(f"machine: {json.dumps(machine())}", 100))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"machine": machine(), "rounds": args.rounds, "results": results}, f, indent=1
-            )
+            record = {"machine": machine(), "rounds": args.rounds, "results": results}
+            json.dump({**record, "failures": FAILURES}, f, indent=1)
 
 
 if __name__ == "__main__":
