@@ -1,6 +1,8 @@
-"""A DistributedDataParallel training script for `fastspawn run` (as for torchrun):
+r"""A DistributedDataParallel training script for `fastspawn run` (as for torchrun):
 
-    fastspawn run --nprocs-per-node 2 examples/ddp_train.py --steps 5
+    fastspawn run --nproc-per-node 2 examples/ddp_train.py --steps 5
+    fastspawn run --preload torch --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29400 --rdzv-id job1 examples/ddp_train.py   # on each node
 
 Each rank reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from its
 environment (set by fastspawn run), joins the gloo process group, trains a
@@ -10,6 +12,7 @@ loss.  CPU only: no GPU needed.
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -19,11 +22,18 @@ from torch.nn.parallel import DistributedDataParallel
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--stamp",
+        action="store_true",
+        help="each rank prints the time it is past init_process_group (for benchmarks)",
+    )
     args = parser.parse_args()
     if "RANK" not in os.environ:
         raise SystemExit("run me with fastspawn run (or torchrun), which sets RANK and the rest")
 
     dist.init_process_group("gloo")  # env:// from fastspawn run's variables
+    if args.stamp:
+        print(f"past init_process_group {time.time():.6f}\n", end="", flush=True)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights everywhere
     model = DistributedDataParallel(torch.nn.Linear(4, 1))

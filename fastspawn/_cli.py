@@ -4,8 +4,11 @@ fastspawn run``) starts N ranks of a program per node, torchrun-style."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import functools
+import importlib.util
 import logging
 import os
 import shutil
@@ -14,17 +17,32 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-from fastspawn import _cli_stacks, _limits, _stacks, elastic
+from fastspawn import _cli_stacks, _limits, _script, _stacks, _zygote_client, elastic
+from fastspawn._methods import registry
 
 RUN_DESCRIPTION = """\
 Start N copies (ranks) of a program on this node, each with the environment
 torch.distributed expects: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR, MASTER_PORT (plus TORCHELASTIC_RESTART_COUNT,
-TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_ERROR_FILE).  A program ending in
-.py runs under this Python.  Every rank, and every child of a rank, dies with
+TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_ERROR_FILE).  The options are
+torchrun's, with torchrun's names and meanings (each also under its
+underscore spelling, --nproc_per_node): a torchrun command line works with
+the program name swapped.  Every rank, and every child of a rank, dies with
 this command, however it is stopped.
+
+A Python program (a .py file, or -m module) runs in each rank as __main__ in
+a worker forked from fastspawn's zygote, which has the --preload modules
+imported already (as `python -u`; see the README for what differs from a
+fresh interpreter); --exec starts a fresh interpreter per rank instead.
+Anything else is exec'd as a binary.
+
+Rendezvous: the static one by default (no torch needed): --nnodes N,
+--node-rank, --master-addr, --master-port.  A dynamic one (--rdzv-backend
+c10d, --standalone, --nnodes MIN:MAX) runs torch's own elastic agent, with
+fastspawn starting the workers: it needs torch.
 
 Exit status: 0 when every rank succeeded; else the first failed rank's exit
 code (128+N for a rank killed by signal N), with a one-line summary on stderr.
@@ -45,15 +63,19 @@ Inside a Slurm job step (under srun: SLURM_STEP_ID is set), --nnodes,
 --node-rank and --master-addr default to SLURM_NNODES, SLURM_NODEID and the
 first host of the step's node list (SLURM_STEP_NODELIST, else SLURM_NODELIST,
 else SLURM_JOB_NODELIST).  A plain salloc or sbatch shell is not a step: there
-give the flags, or start fastspawn run with srun.
+give the flags, or start fastspawn run with srun.  torchrun's PET_* variables
+(PET_NNODES, PET_NPROC_PER_NODE, ...) give defaults too, as they do torchrun's.
 """
 
 RUN_EPILOG = """\
 examples:
-  fastspawn run --nprocs-per-node 4 train.py --epochs 3
-  fastspawn run --nprocs-per-node 8 --log-dir logs --tee 3 -- ./worker --flag
+  fastspawn run --nproc-per-node 4 train.py --epochs 3
+  fastspawn run --preload torch --standalone --nproc-per-node 8 train.py
+  fastspawn run --nnodes 1:4 --nproc-per-node 8 --rdzv-backend c10d \\
+      --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 3 train.py
   fastspawn run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
-      --nprocs-per-node 8 train.py
+      --nproc-per-node 8 train.py
+  fastspawn run --nproc-per-node 8 --log-dir logs --tee 3 -- ./worker --flag
 """
 
 
@@ -95,6 +117,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class UsageError(Exception):
+    """Options that do not go together, or a value that cannot be used,
+    found after parsing (some once the environment, Slurm or torch, has
+    completed them): ``fastspawn run`` shows its usage and the message and
+    exits 2, as for the errors argparse finds itself."""
+
+
+def _pet(dest: str, default: str | None) -> str | None:
+    """torchrun's environment defaults: an option may come from
+    ``PET_<DEST>`` (cluster launchers such as Kubeflow's set PET_NNODES,
+    PET_NPROC_PER_NODE, PET_NODE_RANK, ...).  argparse applies the option's
+    type to a string default."""
+    return os.environ.get(f"PET_{dest.upper()}", default)
+
+
+def _pet_flag(dest: str) -> bool:
+    return os.environ.get(f"PET_{dest.upper()}", "0") == "1"
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -102,16 +143,51 @@ def _positive(text: str) -> int:
     return value
 
 
-def _ranks(text: str) -> int:
-    """--nprocs-per-node: at least 1, and no more than the limits on
+# torchrun's --nproc-per-node words: resolved to a number when the run starts.
+_NPROC_WORDS = ("cpu", "gpu", "xpu", "auto")
+
+
+def _ranks(text: str) -> int | str:
+    """--nproc-per-node: a number at least 1, and no more than the limits on
     processes and open files allow (an absurd count is a usage error, not
-    a launch that takes every free pid on the machine)."""
-    value = _positive(text)
+    a launch that takes every free pid on the machine); or one of torchrun's
+    words (cpu, gpu, xpu, auto), resolved at the start (resolve_nprocs)."""
+    if text in _NPROC_WORDS:
+        return text
     try:
-        _limits.check_nprocs(value, f"a launch of {value} ranks", "lower --nprocs-per-node")
+        value = _positive(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give a number or one of {', '.join(_NPROC_WORDS)}, got {text!r}"
+        ) from None
+    try:
+        _limits.check_nprocs(value, f"a launch of {value} ranks", "lower --nproc-per-node")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` (torchrun's --nnodes) as (min, max).
+
+    Raises:
+        ValueError: anything else, or not 1 <= MIN <= MAX.
+    """
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise ValueError(f"{text!r} is not N or MIN:MAX")
+    low, high = int(parts[0]), int(parts[-1])
+    if not 1 <= low <= high:
+        raise ValueError(f"{text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def _nnodes(text: str) -> str:
+    try:
+        parse_nnodes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"give N or MIN:MAX: {exc}") from None
+    return text
 
 
 def _non_negative(text: str) -> int:
@@ -142,76 +218,136 @@ def _std(text: str) -> elastic.Std | dict[int, elastic.Std]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _ranks_filter(text: str) -> frozenset[int] | None:
+    """--local-ranks-filter: ``"0,2"``; empty for every rank."""
+    if not text:
+        return None
+    try:
+        return frozenset(int(rank) for rank in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"give local ranks separated by commas, like 0,1, got {text!r}"
+        ) from None
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, **kwargs: Any
+) -> None:
+    """Add an option under ``flags``, and torchrun's underscore spelling of
+    each dashed long flag (``--nproc_per_node``) as a hidden alias with the
+    same dest: an error names the spelling that was used."""
+    action = parser.add_argument(*flags, **kwargs)
+    twins = ["--" + flag[2:].replace("-", "_") for flag in flags if flag.startswith("--")]
+    twins = [twin for twin in twins if twin not in flags]
+    if twins:
+        alias = {**kwargs, "dest": action.dest, "default": argparse.SUPPRESS}
+        parser.add_argument(*twins, **{**alias, "help": argparse.SUPPRESS})
+
+
 def run_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--nprocs-per-node",
+    _option(
+        parser,
         "--nproc-per-node",
+        "--nprocs-per-node",
+        dest="nproc_per_node",
         type=_ranks,
-        required=True,
+        default=_pet("nproc_per_node", "1"),
         metavar="N",
-        help="ranks to start on this node",
+        help="ranks to start on this node: a number, or cpu, gpu, xpu or auto (default: 1)",
     )
-    parser.add_argument(
+    _option(
+        parser,
         "--nnodes",
-        type=_positive,
-        default=None,
-        help="number of nodes (default: SLURM_NNODES in a Slurm step, else 1)",
+        type=_nnodes,
+        default=_pet("nnodes", None),
+        metavar="N|MIN:MAX",
+        help="number of nodes, or its range for an elastic job (a dynamic rendezvous) "
+        "(default: SLURM_NNODES in a Slurm step, else 1)",
     )
-    parser.add_argument(
+    _option(
+        parser,
         "--node-rank",
         type=_non_negative,
-        default=None,
-        help="this node's index (default: SLURM_NODEID in a Slurm step, else 0)",
+        default=_pet("node_rank", None),
+        help="this node's index, static rendezvous (default: SLURM_NODEID in a Slurm step, else 0)",
     )
-    parser.add_argument(
+    _option(
+        parser,
         "--master-addr",
-        default=None,
-        help="address of node 0 (default: the first host of the Slurm step, else 127.0.0.1)",
+        default=_pet("master_addr", None),
+        help="address of node 0, static rendezvous (default: the first host of the Slurm "
+        "step, else 127.0.0.1)",
     )
-    parser.add_argument(
+    _option(
+        parser,
         "--master-port",
         type=_port,
-        default=None,
-        help="port on node 0 (default: a free port on one node, 29500 on several)",
+        default=_pet("master_port", None),
+        help="port on node 0, static rendezvous (default: a free port on one node, 29500 "
+        "on several)",
     )
-    parser.add_argument(
+    _option(
+        parser,
         "--log-dir",
-        default=None,
-        help="empty directory for {attempt}/{rank}/stdout.log|stderr.log of the streams "
-        "--redirects or --tee name (default: a new private temporary directory when "
-        "they name any)",
+        default=_pet("log_dir", None),
+        help="static rendezvous: an empty directory for {attempt}/{rank}/stdout.log|"
+        "stderr.log of the streams --redirects or --tee name (default: a new private "
+        "temporary directory when they name any); dynamic: torch's layout, "
+        "{rdzv_id}_*/attempt_N/{rank}/",
     )
-    parser.add_argument(
+    _option(
+        parser,
+        "-r",
         "--redirects",
         type=_std,
-        default=elastic.Std.NONE,
+        default=_pet("redirects", "0"),
         metavar="STD",
         help="streams to write to log files only: 0 none, 1 stdout, 2 stderr, "
         "3 both, or per rank like 0:3,1:1",
     )
-    parser.add_argument(
+    _option(
+        parser,
+        "-t",
         "--tee",
         type=_std,
-        default=elastic.Std.NONE,
+        default=_pet("tee", "0"),
         metavar="STD",
         help="streams to write to log files and show with a [name rank]: prefix",
     )
-    parser.add_argument(
+    _option(
+        parser,
+        "--local-ranks-filter",
+        type=_ranks_filter,
+        default=_pet("local_ranks_filter", ""),
+        metavar="RANKS",
+        help="show only these local ranks' output on the console, like 0,1 (log files "
+        "still get every rank's)",
+    )
+    _option(
+        parser,
         "--max-restarts",
         type=_non_negative,
-        default=0,
+        default=_pet("max_restarts", "0"),
         metavar="K",
         help="restart the whole group up to K times after a failure",
     )
-    parser.add_argument(
-        "--name", default=None, help="prefix name for tee'd lines (default: program)"
+    _option(
+        parser,
+        "--name",
+        default=None,
+        help="prefix name for tee'd lines (default: program; under torch's agent, --role)",
     )
     parser.add_argument(
         "--no-stacks",
         dest="stacks",
         action="store_false",
-        help="show no rank's stacks: a .py program runs as plain `python -u program`, "
-        "and SIGUSR1 keeps its default action (it ends the run)",
+        help="show no rank's stacks: the ranks do not arm the dump (with --exec, a .py "
+        "program runs as plain `python -u program`), and SIGUSR1 keeps its default "
+        "action (it ends the run)",
     )
     parser.add_argument(
         "--hang-timeout",
@@ -228,8 +364,137 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
         help="after a --hang-timeout dump: keep running (dump, the default: again after "
         "another quiet SECONDS) or stop every rank and exit 124 (kill)",
     )
+    _program_options(parser)
+    _rendezvous_options(parser)
+    _agent_options(parser)
     parser.add_argument("program", help="the program (a .py file runs under this Python)")
     parser.add_argument("program_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def _program_options(parser: argparse.ArgumentParser) -> None:
+    """How each rank runs the program."""
+    group = parser.add_argument_group("the program")
+    _option(
+        group,
+        "-m",
+        "--module",
+        action="store_true",
+        default=_pet_flag("module"),
+        help="the program is a Python module, run as with python -m",
+    )
+    _option(
+        group,
+        "--no-python",
+        action="store_true",
+        default=_pet_flag("no_python"),
+        help="exec the program as a binary, even if it ends in .py",
+    )
+    _option(
+        group,
+        "--run-path",
+        action="store_true",
+        default=_pet_flag("run_path"),
+        help="the program is a Python script, whatever its name (torchrun's runpy mode; "
+        "fastspawn runs .py programs so by default)",
+    )
+    _option(
+        group,
+        "--exec",
+        action="store_true",
+        help="start each Python rank as a fresh interpreter (python -u program), not "
+        "from the zygote",
+    )
+    _option(
+        group,
+        "--preload",
+        type=_modules,
+        default=(),
+        metavar="MODULES",
+        help="modules the zygote imports once, before the Python ranks start, like "
+        "torch,numpy (FASTSPAWN_PRELOAD in the environment adds to them)",
+    )
+
+
+def _rendezvous_options(parser: argparse.ArgumentParser) -> None:
+    """torchrun's rendezvous options: any but the static backend runs
+    torch's elastic agent (_torchrun)."""
+    group = parser.add_argument_group(
+        "rendezvous (torchrun's): a backend other than static runs torch's elastic agent "
+        "(needs torch)"
+    )
+    for flag, default, text in (
+        ("rdzv-backend", "static", "static (default), c10d, etcd, etcd-v2"),
+        ("rdzv-endpoint", "", "HOST[:PORT] of the rendezvous store (static: node 0's)"),
+        ("rdzv-id", "none", "the job's id: the nodes with the same id form one job"),
+        ("rdzv-conf", "", "KEY=VALUE,... for the backend (join_timeout, last_call_timeout, "
+         "is_host, ...)"),
+    ):  # fmt: skip
+        dest = flag.replace("-", "_")
+        _option(group, f"--{flag}", default=_pet(dest, default), help=text)
+    _option(
+        group,
+        "--standalone",
+        action="store_true",
+        default=_pet_flag("standalone"),
+        help="one node, a c10d rendezvous on a free port (what torchrun does on one node "
+        "by default; fastspawn's default there is the static one, which needs no torch)",
+    )
+    _option(
+        group,
+        "--local-addr",
+        default=_pet("local_addr", None),
+        help="this node's address for the rendezvous (default: its FQDN)",
+    )
+    _option(
+        group,
+        "--monitor-interval",
+        type=float,
+        default=_pet("monitor_interval", "0.1"),
+        metavar="SECONDS",
+        help="how often torch's agent checks the workers (the static rendezvous waits on "
+        "events instead)",
+    )
+    _option(
+        group,
+        "--role",
+        default=_pet("role", "default"),
+        help="the workers' role (ROLE_NAME; the prefix of tee'd lines under the agent)",
+    )
+
+
+def _agent_options(parser: argparse.ArgumentParser) -> None:
+    """torchrun's options that only its elastic agent reads: passed on to it."""
+    group = parser.add_argument_group("torch's elastic agent (dynamic rendezvous only)")
+    _option(
+        group,
+        "--start-method",
+        choices=registry.names(),
+        default=None,
+        help="accepted for torchrun command lines; fastspawn starts Python ranks from its zygote",
+    )
+    for flag, text in (
+        ("event-log-handler", "torch's event log handler"),
+        ("logs-specs", "a torchrun.logs_specs entry point name"),
+        ("signals-to-handle", "the signals that stop the workers (default: "
+         "SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
+    ):  # fmt: skip
+        dest = flag.replace("-", "_")
+        _option(group, f"--{flag}", default=_pet(dest, None), help=text)
+    _option(
+        group,
+        "--shutdown-timeout",
+        type=_non_negative,
+        default=_pet("shutdown_timeout", None),
+        metavar="SECONDS",
+        help="SIGTERM to SIGKILL when the agent stops the workers (default: 30)",
+    )
+    _option(
+        group,
+        "--virtual-local-rank",
+        action="store_true",
+        default=_pet_flag("virtual_local_rank"),
+        help="LOCAL_RANK 0 in every worker, each seeing its own GPU as device 0",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,21 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class UsageError(Exception):
-    """Flags that cannot go together, found once the environment (Slurm) has
-    completed them: ``fastspawn run`` shows its usage and exits 2, as for
-    the errors argparse finds itself."""
-
-
 def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int, int, str, int]:
-    """(nnodes, node_rank, master_addr, master_port) from flags, then Slurm.
+    """(nnodes, node_rank, master_addr, master_port) of the static
+    rendezvous: from flags (--master-addr and --master-port, else a static
+    --rdzv-endpoint HOST:PORT, as torchrun reads it), then Slurm.
 
     Raises:
         UsageError: the node rank is not below the number of nodes.
     """
-    nnodes = args.nnodes
+    nnodes = None if args.nnodes is None else parse_nnodes(str(args.nnodes))[0]
     node_rank = args.node_rank
-    addr = args.master_addr
+    addr, port = _static_endpoint(args)
     # Only a job step (srun) describes this node's place: in a plain salloc or
     # sbatch shell SLURM_NNODES counts the whole allocation and SLURM_NODEID
     # is that of the batch host, whichever nodes the user then starts us on.
@@ -311,10 +572,26 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
         rank_from = "SLURM_NODEID" if args.node_rank is None else "--node-rank"
         nodes_from = "SLURM_NNODES" if args.nnodes is None and slurm else "--nnodes"
         raise UsageError(f"{rank_from} {node_rank} is not below {nodes_from} {nnodes}")
-    port = args.master_port
     if port is None:
         port = free_port() if nnodes == 1 else 29500
     return nnodes, node_rank, addr, port
+
+
+def _static_endpoint(args: argparse.Namespace) -> tuple[str | None, int | None]:
+    """Node 0's address and port as given: --master-addr and --master-port,
+    each else from a static --rdzv-endpoint HOST[:PORT]."""
+    addr, port = args.master_addr, args.master_port
+    endpoint = getattr(args, "rdzv_endpoint", "") or ""
+    if endpoint:
+        host, _, port_text = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+        if addr is None:
+            addr = host.strip("[]")  # an IPv6 address in brackets
+        if port is None and port_text:
+            try:
+                port = _port(port_text)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise UsageError(f"--rdzv-endpoint {endpoint}: {exc}") from None
+    return addr, port
 
 
 def rank_envs(
@@ -412,13 +689,6 @@ class _StopSignals:
 
     def __init__(self, ctx: elastic.PContext) -> None:
         self.ctx = ctx
-        # Each rank is a binary leading its own session: killpg reaches it
-        # and its children.  A group id is not handed out again while any
-        # process of the group lives, so killpg cannot reach a stranger's
-        # group unless every process of ours is gone and a new process took
-        # the number and made itself a group leader, in the seconds close()
-        # lasts.
-        self.pids = list(ctx.pids().values())
         self.first: signal.Signals | None = None
         self.closed = False
 
@@ -445,11 +715,9 @@ class _StopSignals:
             os.write(2, b"fastspawn run: got another signal, killing every rank\n")
         except OSError:
             pass
-        for pid in self.pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass  # the rank and its children are gone already
+        # Each rank, and a binary rank's whole session (its children); a
+        # Python rank's children die with it (the zygote kills orphans).
+        self.ctx._kill_now()
 
     def stop(self, sigval: signal.Signals) -> None:
         """Stop every rank after the launcher got ``sigval``: that signal to
@@ -482,9 +750,100 @@ def _log_dir_error(log_dir: str, exc: OSError) -> LogDirError:
 
 
 @dataclasses.dataclass(frozen=True)
+class Program:
+    """What each rank runs: a binary and its arguments, or a Python script
+    or module run as ``__main__`` in a zygote worker (``_script.PythonMain``)
+    with the modules to preload there."""
+
+    name: str  # as given: named when it cannot start
+    entrypoint: str | _script.PythonMain
+    argv: tuple[str, ...]
+    preload: tuple[str, ...] = ()
+    script: str | None = None  # the Python script, which must exist
+
+
+def program_of(args: argparse.Namespace) -> Program:
+    """The program the options describe, as torchrun reads them: ``-m`` a
+    module, ``--no-python`` a binary; a ``.py`` file (or any file with
+    ``--run-path``) a Python script; anything else a binary.  Python runs in
+    the zygote's workers unless ``--exec`` asks for a fresh interpreter.
+
+    Raises:
+        UsageError: options that contradict each other.
+    """
+    program = args.program
+    # argparse has removed the first "--" (the one before the program, when
+    # given); a later one is the program's own and stays.
+    rest = tuple(args.program_args)
+    if args.module and args.no_python:
+        raise UsageError("--module and --no-python contradict each other")
+    python = args.module or args.run_path or (program.endswith(".py") and not args.no_python)
+    if args.preload and (not python or args.exec):
+        raise UsageError(
+            "--preload is for Python ranks started from the zygote (a .py "
+            "program or -m module, without --exec or --no-python)"
+        )
+    if not python:
+        return Program(program, program, rest)
+    script = None if args.module else program
+    if args.exec:
+        flags = ("-u", "-m") if args.module else ("-u",)
+        return Program(program, sys.executable, (*flags, program, *rest), script=script)
+    main = _script.PythonMain(program, args.module)
+    return Program(program, main, rest, tuple(args.preload), script)
+
+
+def check_program(program: Program) -> None:
+    """Before anything starts: a script that is not there is named once,
+    here, rather than by every rank.
+
+    Raises:
+        FileNotFoundError: the script is missing.
+    """
+    if program.script is not None and not os.path.exists(program.script):
+        raise FileNotFoundError(errno.ENOENT, "no such Python script", program.script)
+
+
+def resolve_nprocs(value: int | str) -> int:
+    """--nproc-per-node as a number: torchrun's words resolved (cpu: the
+    CPUs this process may use; gpu, xpu, auto: as torchrun counts them,
+    which needs torch, but auto without torch counts CPUs).
+
+    Raises:
+        UsageError: torch is needed and missing, or the count is above the
+            limits on processes or open files.
+    """
+    if isinstance(value, int):
+        return value
+    if value == "cpu" or (value == "auto" and importlib.util.find_spec("torch") is None):
+        count = len(os.sched_getaffinity(0))
+    else:
+        try:
+            from torch.distributed.run import determine_local_world_size
+        except ImportError:
+            raise UsageError(
+                f"--nproc-per-node {value} counts devices through torch, "
+                "which is not installed: give a number"
+            ) from None
+        count = int(determine_local_world_size(value))
+    try:
+        _limits.check_nprocs(count, f"a launch of {count} ranks", "lower --nproc-per-node")
+    except ValueError as exc:
+        raise UsageError(f"--nproc-per-node {value}: {exc}") from None
+    return count
+
+
+def wants_agent(args: argparse.Namespace) -> bool:
+    """Whether the options ask for a dynamic rendezvous: torch's agent."""
+    low, high = parse_nnodes(str(args.nnodes)) if args.nnodes is not None else (1, 1)
+    return bool(args.standalone) or args.rdzv_backend != "static" or low != high
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """One ``fastspawn run``, read from its arguments: what each rank runs,
-    where this node sits among the others, and how often to restart."""
+    """One ``fastspawn run`` with the static rendezvous, read from its
+    arguments: what each rank runs, where this node sits among the others,
+    and how often to restart."""
 
     nprocs: int
     nnodes: int
@@ -492,7 +851,7 @@ class RunConfig:
     master_addr: str
     master_port: int
     program: str  # as given: named when it cannot start
-    entrypoint: str
+    entrypoint: str | _script.PythonMain
     argv: tuple[str, ...]
     name: str  # prefix of tee'd lines
     redirects: elastic.Std | dict[int, elastic.Std]
@@ -502,6 +861,9 @@ class RunConfig:
     hang_timeout: float | None = None
     hang_action: str = "dump"
     python_program: bool = False  # a .py program, run by this Python
+    local_ranks_filter: frozenset[int] | None = None
+    role: str = "default"
+    run_id: str = "none"
 
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nprocs + local_rank
@@ -515,37 +877,33 @@ class RunConfig:
         return self.argv
 
 
-def run_config(args: argparse.Namespace, environ: Mapping[str, str]) -> RunConfig:
+def run_config(
+    args: argparse.Namespace, environ: Mapping[str, str], program: Program | None = None
+) -> RunConfig:
     """The run the parsed ``args`` describe, its topology completed from
-    ``environ`` (Slurm)."""
+    ``environ`` (Slurm); ``program``: ``program_of(args)``, if known."""
     nnodes, node_rank, addr, port = topology(args, environ)
-    program = args.program
-    # argparse has removed the first "--" (the one before the program, when
-    # given); a later one is the program's own and stays.
-    program_args: Sequence[str] = args.program_args
-    if program.endswith(".py"):
-        entrypoint = sys.executable
-        argv = ["-u", program, *program_args]
-    else:
-        entrypoint = program
-        argv = list(program_args)
+    program = program or program_of(args)
     return RunConfig(
-        nprocs=args.nprocs_per_node,
+        nprocs=resolve_nprocs(args.nproc_per_node),
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=addr,
         master_port=port,
-        program=program,
-        entrypoint=entrypoint,
-        argv=tuple(argv),
-        name=args.name or os.path.basename(program),
+        program=program.name,
+        entrypoint=program.entrypoint,
+        argv=program.argv,
+        name=args.name or os.path.basename(program.name),
         redirects=args.redirects,
         tee=args.tee,
         max_restarts=args.max_restarts,
         stacks=args.stacks,
         hang_timeout=args.hang_timeout,
         hang_action=args.hang_action,
-        python_program=program.endswith(".py"),
+        python_program=program.entrypoint == sys.executable and program.script is not None,
+        local_ranks_filter=args.local_ranks_filter,
+        role=args.role,
+        run_id=args.rdzv_id,
     )
 
 
@@ -621,13 +979,87 @@ def _make_empty_log_dir(log_dir: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = run_config(args, os.environ)
     try:
+        program = program_of(args)
+        if wants_agent(args):
+            return run_with_agent(args, program)
+        config = run_config(args, os.environ, program)
+        try:
+            check_program(program)
+        except OSError as exc:
+            return _cannot_start(program.name, exc)
         log_dir = open_log_dir(args)
+        if program.preload:
+            _zygote_client.preload(program.preload)  # imported there while we go on
         return run_attempts(config, log_dir)
     except LogDirError as exc:
         print(exc, file=sys.stderr)
         return 2
+
+
+def _dynamic_rendezvous(args: argparse.Namespace) -> str:
+    """The option that asked for torch's agent, as given."""
+    if args.standalone:
+        return "--standalone"
+    if args.rdzv_backend != "static":
+        return f"--rdzv-backend {args.rdzv_backend}"
+    return f"--nnodes {args.nnodes}"
+
+
+@contextlib.contextmanager
+def _agent_log_dir(args: argparse.Namespace) -> Iterator[str]:
+    """Where torch's agent puts its logs: --log-dir; else a new private
+    temporary directory, named on stderr and kept when --redirects or --tee
+    asks for log files, removed at the end otherwise (it holds the ranks'
+    error files only, read by then; torchrun would leave one behind per
+    run)."""
+    if args.log_dir is not None:
+        yield args.log_dir
+        return
+    temporary = _make_temporary_log_dir()
+    keep = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
+    if keep:
+        print(f"fastspawn run: logs in {temporary}", file=sys.stderr)
+    try:
+        yield temporary
+    finally:
+        if not keep:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def run_with_agent(args: argparse.Namespace, program: Program) -> int:
+    """A dynamic rendezvous: torch's elastic agent runs the job, fastspawn
+    starts its workers (_torchrun); the launcher's exit status."""
+    from fastspawn import _torchrun
+
+    nprocs = resolve_nprocs(args.nproc_per_node)
+    try:
+        check_program(program)
+        with _agent_log_dir(args) as log_dir:
+            outcome = _torchrun.run(
+                args, nprocs, program.entrypoint, program.argv, program.preload, log_dir
+            )
+    except _torchrun.TorchMissing as exc:
+        print(
+            f"fastspawn run: {_dynamic_rendezvous(args)} runs torch's elastic agent, which "
+            f"needs torch ({exc}); install torch, or use the static rendezvous, which does "
+            "not: --nnodes N --node-rank R --master-addr HOST --master-port PORT",
+            file=sys.stderr,
+        )
+        return 2
+    except _torchrun.AgentError as exc:
+        print(f"fastspawn run: the rendezvous failed: {exc}", file=sys.stderr)
+        return 1
+    except elastic.SignalException as exc:
+        print(f"fastspawn run: got {exc.sigval.name}, stopped every rank", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except OSError as exc:
+        return _cannot_start(program.name, exc)
+    if outcome is None:
+        return 0
+    global_rank, failure = outcome
+    print(describe(failure, global_rank), file=sys.stderr)
+    return exit_code(failure.exitcode)
 
 
 def run_attempts(config: RunConfig, log_dir: LogDir | None) -> int:
@@ -695,6 +1127,8 @@ def run_attempt(
         attempt,
         config.max_restarts,
     )
+    for env in envs.values():
+        env.update(_agent_envs(config))
     ctx = None
     stop_signals = None
     try:
@@ -734,21 +1168,61 @@ def run_attempt(
         return _cannot_start(config.program, exc)
 
 
+def _agent_envs(config: RunConfig) -> dict[str, str]:
+    """What torchrun's agent gives every worker beside the rank variables:
+    the role, the run id, and OMP_NUM_THREADS=1 for several ranks on a node
+    unless it is set."""
+    envs = {"ROLE_NAME": config.role, "TORCHELASTIC_RUN_ID": config.run_id}
+    if config.nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
+        envs["OMP_NUM_THREADS"] = "1"
+    return envs
+
+
+class _AttemptLogs(elastic.LogsSpecs):
+    """fastspawn run's layout for one attempt: ``{attempt_dir}/{rank}/``
+    holding ``stdout.log``, ``stderr.log`` (for the streams redirected or
+    tee'd) and ``error.json``; ``os.devnull``: no files.  Ranks left out by
+    --local-ranks-filter show nothing on the console (their log files still
+    get everything)."""
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> elastic.LogsDest:
+        dest = elastic.LogsDest()
+        attempt_dir = self.root_log_dir
+        redirects = elastic.to_map(self._redirects, len(envs))
+        tees = elastic.to_map(self._tee, len(envs))
+        for rank in envs:
+            shown = self._local_ranks_filter is None or rank in self._local_ranks_filter
+            if attempt_dir == os.devnull:
+                dest.stdouts[rank] = dest.stderrs[rank] = "" if shown else os.devnull
+                dest.error_files[rank] = os.devnull
+                continue
+            rank_dir = os.path.join(attempt_dir, str(rank))
+            os.mkdir(rank_dir, 0o700)
+            elastic._rank_files(dest, rank, rank_dir, redirects[rank], tees[rank], envs, shown)
+        return dest
+
+
 def _start_ranks(
     config: RunConfig,
     envs: dict[int, dict[str, str]],
     attempt_dir: str,
     log_dir: LogDir | None,
 ) -> elastic.PContext:
+    shown = config.local_ranks_filter
+    logs = _AttemptLogs(
+        attempt_dir, config.redirects, config.tee, None if shown is None else set(shown)
+    )
     try:
         return elastic.start_processes(
             name=config.name,
             entrypoint=config.entrypoint,
             args={rank: config.rank_argv(rank) for rank in range(config.nprocs)},
             envs=envs,
-            log_dir=attempt_dir,
-            redirects=config.redirects,
-            tee=config.tee,
+            logs_specs=logs,
             log_line_prefixes={
                 rank: f"[{config.name}{config.global_rank(rank)}]:" for rank in range(config.nprocs)
             },

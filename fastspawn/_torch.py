@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any
 
-from fastspawn import _context, _errors, _spawn_context, _zygote_client
+from fastspawn import _agent, _context, _errors, _spawn_context, _zygote_client
 
 # What patch_torch() rebinds in torch.multiprocessing, by the names torch
 # gives them (each of ours bears the same name).
@@ -42,10 +42,14 @@ def _modules() -> list[Any]:
 def patch_torch(preload: bool = True) -> None:
     """Make ``torch.multiprocessing.spawn`` / ``start_processes`` (and the
     ``ProcessContext`` and exception names) those of fastspawn, logging its
-    warnings under torch's logger name (``torch.multiprocessing.spawn``).
+    warnings under torch's logger name (``torch.multiprocessing.spawn``);
+    and make torch's elastic agent (``torchrun``, ``elastic_launch``) start
+    its workers through ``fastspawn.elastic``, so that they, and their
+    children, die with the agent however it dies.
 
     Call it before importing code that copies these names at import time
     (``from torch.multiprocessing.spawn import ProcessExitedException``).
+    For ``torchrun``, call it from a site hook (see the README).
 
     Args:
         preload: also start the zygote now and import torch in it, so
@@ -61,6 +65,10 @@ def patch_torch(preload: bool = True) -> None:
                 _originals[key] = getattr(module, name, _ABSENT)
             setattr(module, name, ours)
     _context.log = logging.getLogger(_TORCH_LOGGER)
+    try:
+        _agent.route()
+    except ImportError:
+        pass  # a torch built without torch.distributed: no agent to route
     if preload:
         _zygote_client.preload(["torch"])
 
@@ -78,3 +86,4 @@ def unpatch_torch() -> None:
             setattr(module, name, original)
     _originals.clear()
     _context.log = _own_logger
+    _agent.unroute()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import datetime
 import enum
 import errno
 import json
@@ -27,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, BinaryIO
 
 from fastspawn import _context, _launch, _limits, _numa, _stacks
@@ -94,10 +94,16 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
-def _raise_signal_exception(signum: int, frame: Any) -> None:
-    sigval = signal.Signals(signum)
+def _note_signal(sigval: signal.Signals) -> None:
+    """Mark every live context to be closed with ``sigval`` at interpreter
+    exit, should the exception a handler raises for it escape the caller."""
     for context in _live_contexts:
         _signalled.setdefault(context, sigval)
+
+
+def _raise_signal_exception(signum: int, frame: Any) -> None:
+    sigval = signal.Signals(signum)
+    _note_signal(sigval)
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
@@ -216,7 +222,7 @@ class ProcessFailure:
     def timestamp_isoformat(self) -> str:
         """``timestamp`` as local time, ``YYYY-MM-DD_HH:MM:SS`` (what torch's
         ``ChildFailedError`` shows)."""
-        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+        return datetime.datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
 
     def signal_name(self) -> str:
         """``SIGSEGV`` for a rank killed by signal 11; ``<N/A>`` for one
@@ -853,6 +859,22 @@ class PContext:
                 pass  # stopped on purpose; _closed_result reports it
         else:
             log.warning("close(): the ranks' context did not report them all done")
+
+    def _kill_now(self) -> None:
+        """SIGKILL every rank not known to have exited (a binary rank's
+        whole session), waiting for nothing and reading no state: safe in a
+        signal handler that interrupts ``close()``."""
+        if self._ctx is None:
+            return
+        for proc in self._ctx.processes:
+            if isinstance(self.entrypoint, str) and proc._exitcode is None:
+                try:
+                    # It leads its own session; unreaped, its pid (the
+                    # group's id) cannot have gone to anyone else.
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass  # gone already
+            proc._signal(signal.SIGKILL)
 
     def _signal(self, proc: Any, sig: int) -> None:
         if isinstance(self.entrypoint, str) and proc._exitcode is None and proc.is_alive():

@@ -390,7 +390,7 @@ def test_fastspawn_run_absurd_nprocs_is_a_usage_error():
         timeout=60,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert "usage:" in done.stderr and "lower --nprocs-per-node" in done.stderr
+    assert "usage:" in done.stderr and "lower --nproc-per-node" in done.stderr
     assert "kernel.pid_max" in done.stderr or "RLIMIT_" in done.stderr
     assert done.stdout == ""
 

@@ -177,3 +177,20 @@ def test_torchs_numa_options_say_why_they_cannot_apply(tmp_path):
             str(tmp_path),
             numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
         )
+
+
+def test_patch_torch_routes_the_elastic_agents_worker_start(patched):
+    pytest.importorskip("torch.distributed.elastic")
+    import torch.distributed.elastic.multiprocessing as torch_elastic_mp
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    from fastspawn import _agent
+
+    # The agent's own binding (imported at its import) and the package's
+    # (read by code imported later) both start workers through fastspawn.
+    assert local_elastic_agent.start_processes is _agent.start_processes
+    assert torch_elastic_mp.start_processes is _agent.start_processes
+    fastspawn.unpatch_torch()
+    assert local_elastic_agent.start_processes.__module__.startswith("torch.")
+    assert torch_elastic_mp.start_processes is local_elastic_agent.start_processes
+    fastspawn.patch_torch(preload=False)  # the fixture unpatches again
