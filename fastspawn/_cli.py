@@ -55,9 +55,9 @@ of the ranks still running are shown before they are stopped, and written
 to stacks.log in each rank's log directory; SIGUSR1 to this command shows
 them at any time, `fastspawn stacks PID` from another shell, and
 --hang-timeout when the job stops making progress (--hang-action kill then
-stops it, exit status 124).  A .py program gets them through a small
-bootstrap (python -u -c ... program.py); another program shows its state in
-the kernel only.  --no-stacks: none of it, SIGUSR1 left at its default.
+stops it, exit status 124).  A Python program gets them in its zygote
+worker (with --exec, through a small bootstrap: python -u -c ...
+program.py); another program shows its state in the kernel only.  --no-stacks: none of it, SIGUSR1 left at its default.
 
 Inside a Slurm job step (under srun: SLURM_STEP_ID is set), --nnodes,
 --node-rank and --master-addr default to SLURM_NNODES, SLURM_NODEID and the
@@ -869,8 +869,9 @@ class RunConfig:
         return self.node_rank * self.nprocs + local_rank
 
     def rank_argv(self, local_rank: int) -> tuple[str, ...]:
-        """A rank's arguments: a .py program goes through the bootstrap
-        that arms its stack dump, unless --no-stacks."""
+        """A rank's arguments: a .py script exec'd by this Python (--exec)
+        goes through the bootstrap that arms its stack dump, unless
+        --no-stacks."""
         if self.stacks and self.python_program:
             rank = self.global_rank(local_rank)
             return tuple(_stacks.python_rank_argv(rank, self.program, self.argv[2:]))

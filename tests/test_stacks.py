@@ -343,7 +343,9 @@ def test_fastspawn_run_no_stacks_restores_todays_output(tmp_path):
         folder = tmp_path / f"marks{len(flags)}"
         folder.mkdir()
         prog, _line = program(tmp_path)
-        done = run("--nprocs-per-node", "3", *flags, prog, str(folder))
+        # --exec: a fresh interpreter per rank, where the bootstrap applies
+        # (without it the script runs in zygote workers, armed as any).
+        done = run("--nprocs-per-node", "3", "--exec", *flags, prog, str(folder))
         assert done.returncode == 1, done.stderr
         outputs.append(done.stderr)
         argv = eval((folder / "argv-0").read_text())
