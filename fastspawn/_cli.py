@@ -57,7 +57,8 @@ them at any time, `fastspawn stacks PID` from another shell, and
 --hang-timeout when the job stops making progress (--hang-action kill then
 stops it, exit status 124).  A Python program gets them in its zygote
 worker (with --exec, through a small bootstrap: python -u -c ...
-program.py); another program shows its state in the kernel only.  --no-stacks: none of it, SIGUSR1 left at its default.
+program.py); another program shows its state in the kernel only.
+--no-stacks: none of it, SIGUSR1 left at its default.
 
 Inside a Slurm job step (under srun: SLURM_STEP_ID is set), --nnodes,
 --node-rank and --master-addr default to SLURM_NNODES, SLURM_NODEID and the
