@@ -161,28 +161,45 @@ class Receiver:
         return got
 
     def read_blocking(self, timeout: float | None) -> bool:
-        """Wait up to ``timeout`` for one message.  False on timeout or EOF."""
-        if self.reports.eof:
-            return False
-        self.sock.settimeout(timeout)
-        try:
-            return self._read_one()
-        except TimeoutError:
-            return False
-        finally:
-            self.sock.setblocking(False)
+        """Wait up to ``timeout`` for one message.  False on timeout or EOF.
+
+        The wait is a poll(), which a Ctrl-C interrupts with nothing read;
+        the read itself does not block (see _read_one)."""
+        import select
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        while not self.reports.eof:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not poller.poll(None if left is None else left * 1000):
+                return False
+            try:
+                return self._read_one()
+            except BlockingIOError:
+                pass  # woken for nothing: wait again
+        return False
 
     def _read_one(self) -> bool:
-        """Read one message and apply it to ``reports``.  False at EOF."""
-        data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
-        if not data:
-            for fd in fds:
-                os.close(fd)
-            self.reports.eof = True
-            return False
-        rank, kind, flags = HEADER.unpack_from(data)
-        self._apply(rank, kind, flags, data[HEADER.size :], fds, msg_flags)
-        return True
+        """Read one message, without blocking, and apply it to ``reports``.
+        False at EOF.
+
+        Signals are held from the receive until the message is applied: a
+        Ctrl-C raised as recvmsg() returns would drop the fds it brought (a
+        launch's pidfds) on the floor, open, known to nobody."""
+        from fastspawn import _oscall  # the caller's side only: workers never read
+
+        with _oscall.held_signals():
+            data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self.reports.eof = True
+                return False
+            rank, kind, flags = HEADER.unpack_from(data)
+            self._apply(rank, kind, flags, data[HEADER.size :], fds, msg_flags)
+            return True
 
     def _apply(
         self, rank: int, kind: int, flags: int, body: bytes, fds: list[int], msg_flags: int

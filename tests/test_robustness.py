@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -878,3 +880,43 @@ def test_a_fork_rank_never_returns_into_the_callers_code(monkeypatch):
     with pytest.raises(fastspawn.ProcessExitedException, match="exit code 1$"):
         while not ctx.join(timeout=60):
             pass
+
+
+def test_a_ctrl_c_as_pidfds_arrive_loses_none(monkeypatch):
+    # A signal landing as recvmsg() returns a launch's pidfds (the zygote
+    # sends them over the channel) used to raise KeyboardInterrupt with the
+    # fds in a discarded tuple: open, known to nobody.  The signal is raised
+    # here at exactly that moment; the fds must reach the reports.
+    from fastspawn import _channel
+
+    real_recv_fds = _channel.recv_fds
+
+    def recv_then_signal(*args):
+        got = real_recv_fds(*args)
+        signal.raise_signal(signal.SIGUSR1)  # as if it had come just then
+        return got
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    rx_sock, tx = _channel.channel_pair()
+    receiver = _channel.Receiver(rx_sock)
+    pidfd = os.pidfd_open(os.getpid())
+    try:
+        header = _channel.HEADER.pack(0, _channel.PIDS, _channel.LAST)
+        body = _channel.pack_statuses([os.getpid()])
+        tx.sendmsg(
+            [header + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", pidfd))]
+        )
+        monkeypatch.setattr(_channel, "recv_fds", recv_then_signal)
+        with pytest.raises(KeyboardInterrupt):
+            receiver.read_blocking(10)
+        received = receiver.reports.pids[0]
+        assert received[0] == os.getpid() and os.fstat(received[1])  # recorded, open
+        os.close(received[1])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(pidfd)
+        tx.close()
+        receiver.close()

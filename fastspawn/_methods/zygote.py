@@ -155,6 +155,9 @@ def _receive_workers(
             if not rx.read_blocking(None) and reports.eof:
                 break
             watch_new_groups()
+        # Inside the try: a Ctrl-C raised as this call starts, before the
+        # pidfds moved to ``started``, must not leave them open.
+        _take_workers(req, rx, started)
     except BaseException:
         # Ctrl-C, say: kill what we heard of (pidfds already queued on the
         # channel included).  Ranks forked after this go when the zygote
@@ -166,7 +169,6 @@ def _receive_workers(
             reports.pids.clear()
             forget_groups(req.watched_groups)
         raise
-    _take_workers(req, rx, started)
 
 
 def _take_workers(req: LaunchRequest, rx: Receiver, started: Started) -> None:
