@@ -571,14 +571,16 @@ class ForkStacks:
         rank's file takes its place."""
         if not self.here:
             return
-        from fastspawn._core import lib  # loaded in the forking process already
+        from fastspawn import _oscall  # loaded in the forking process already
+        from fastspawn._core import lib
 
-        try:
-            self.fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        except OSError:
-            return  # out of fds: the launch goes without
-        faulthandler.register(STACKS_SIGNAL, file=self.fd, all_threads=True)
-        self.stacks_file = lib.fs_stacks_file
+        with _oscall.held_signals():  # a Ctrl-C here must not leave the fd open
+            try:
+                self.fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:
+                return  # out of fds: the launch goes without
+            faulthandler.register(STACKS_SIGNAL, file=self.fd, all_threads=True)
+            self.stacks_file = lib.fs_stacks_file
 
     def failed(self) -> None:
         """A rank's file could not be made (out of fds): the rest of the
@@ -589,10 +591,16 @@ class ForkStacks:
         """After the fork loop: the forking process keeps neither the
         registration nor a file."""
         self.stacks_file = None
-        if self.fd >= 0:
-            faulthandler.unregister(STACKS_SIGNAL)
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd < 0:
+            return
+        from fastspawn import _oscall
+
+        with _oscall.held_signals():  # nor here: the last rank's file is in it
+            fd, self.fd = self.fd, -1
+            try:
+                faulthandler.unregister(STACKS_SIGNAL)
+            finally:
+                os.close(fd)
 
 
 class ForkSpec:

@@ -74,12 +74,19 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
 
 @contextlib.contextmanager
 def _stacks_armed(stacks: _worker.ForkStacks) -> Iterator[None]:
-    """For the fork loop: registered during it, not after."""
-    stacks.begin()
+    """For the fork loop: registered during it, not after, whatever
+    interrupts it.  end() undoes whatever part of begin() ran, and runs
+    twice: a Ctrl-C that arrived after the loop's last held block is raised
+    as the first call starts, before it did anything; the second, a no-op
+    otherwise, then closes the last rank's file."""
     try:
+        stacks.begin()
         yield
     finally:
-        stacks.end()
+        try:
+            stacks.end()
+        finally:
+            stacks.end()
 
 
 def _fork(rank: int) -> int:
