@@ -153,6 +153,7 @@ METHOD_HELP: dict[str, str] = {
     "mp-forkserver": "the same with the forkserver context (preloading the fn's module)",
     "torch-spawn": "torch.multiprocessing.spawn(join=False) (each rank imports torch)",
     "floor": "a bare os.fork() loop in a small helper interpreter: the floor (see below)",
+    "floor-sized": "the same loop in a helper the zygote's size (its modules, gc.freeze())",
     "binary-fastspawn": "fastspawn.elastic.start_processes with true(1) as the entrypoint",
     "binary-popen": 'subprocess.Popen(["true"])',
     "binary-popen-pdeathsig": "the same with a preexec_fn that sets PR_SET_PDEATHSIG",
@@ -790,9 +791,29 @@ while message := os.read(control, request.size):  # b"": the bench closed its en
 """
 
 
+# The sized floor's helper makes itself the zygote's size before the same
+# loop: the modules a zygote serving the bench holds (its own, the worker's,
+# multiprocessing, this module, where the ranks' function lives: the same
+# set, checked), with site, and the zygote's memory treatment: gc.freeze(),
+# the object arenas in one region collapsed into huge pages where the
+# zygote does that.  A fork costs more from a bigger process (more page
+# tables to copy, more pages to fault in): this floor is what a rank forked
+# from a process that size costs at the least.
+_SIZED_PREFIX = """\
+from fastspawn import _hugepages
+if _hugepages.wanted():
+    _hugepages.place_arenas()
+import gc, multiprocessing.spawn, pkgutil, resource, runpy, fastspawn._zygote, fastspawn._bench
+gc.freeze()
+for address in _hugepages.collapsible_ranges() if _hugepages.wanted() else ():
+    _hugepages.collapse(address)
+"""
+
+
 class FloorMethod(Method):
     """The floor: a small helper interpreter, started untimed, forks the
-    ranks in a bare ``os.fork()`` loop when asked (see ``_FLOOR_PROGRAM``).
+    ranks in a bare ``os.fork()`` loop when asked (see ``_FLOOR_PROGRAM``);
+    ``floor-sized`` the same from a helper the zygote's size.
 
     The request's round trip over the socketpair is part of what it measures,
     as a launch call is part of every other method's.
@@ -807,7 +828,11 @@ class FloorMethod(Method):
 
         formats = [_RECORD.format, _FLOOR_REQUEST.format, _FLOOR_REPLY.format]
         numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, _FLOOR_CHUNK]
-        argv = ["-I", "-S", "-c", _FLOOR_PROGRAM, session.reports.path, *formats]
+        if self.name == FLOOR:
+            argv = ["-I", "-S", "-c", _FLOOR_PROGRAM]
+        else:
+            argv = ["-c", _SIZED_PREFIX + _FLOOR_PROGRAM]
+        argv += [session.reports.path, *formats]
         # PR_SET_PDEATHSIG: a bench killed outright takes its helper along.
         self.helper = HelperClient([*argv, *map(str, numbers)], pdeathsig=signal.SIGKILL)
 
@@ -843,7 +868,7 @@ def make_method(name: str) -> Method:
         return MpMethod(name, rest)
     if family == "torch":
         return TorchMethod(name)
-    if name == FLOOR:
+    if family == FLOOR:
         return FloorMethod(name)
     if name == "binary-fastspawn":
         return BinaryFastspawn(name)
@@ -1606,7 +1631,10 @@ a bare os.fork() loop when the bench asks over a socketpair, and reaps them.
 t0 is taken before the request, so its round trip counts, as a launch call
 counts for the others.  Its ranks report, wait and exit (or fail) as the
 others do, but import nothing (--import and --payload-bytes do not apply),
-and the failure round SIGKILLs the others.
+and the failure round SIGKILLs the others.  floor-sized is the same loop in
+a helper the size of a zygote serving a small program (the same modules,
+gc.freeze(), its arenas in huge pages as the zygote's): a fork costs more
+from a bigger process, and this is what one of the zygote's size costs.
 
 Phases, per round, from t0 just before the launch call:
   created          the launch call returned: start_processes(join=False), the

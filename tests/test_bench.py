@@ -210,7 +210,8 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
 def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_path):
     out = tmp_path / "floor.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fastspawn", "bench", "--methods", "floor,fastspawn-fork",
+        [sys.executable, "-m", "fastspawn", "bench",
+         "--methods", "floor,floor-sized,fastspawn-fork",
          "--nprocs", "1,4", "--repeat", "1", "--json", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -231,6 +232,7 @@ def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_pa
     assert "vs floor" in header and "vs mp-spawn" in header
     floor_rows = [line for line in table.splitlines() if line.startswith("floor ")]
     assert len(floor_rows) == 2 and all("1.00x" in row for row in floor_rows)
+    assert len([line for line in table.splitlines() if line.startswith("floor-sized ")]) == 2
 
     document = json.loads(out.read_text())
     assert validate(document) == []
@@ -251,7 +253,39 @@ def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_pa
     for nprocs in (1, 4):
         assert running[("floor", nprocs)]["floor_ratio"] == 1.0
         assert running[("fastspawn-fork", nprocs)]["floor_ratio"] > 0
+        assert running[("floor-sized", nprocs)]["floor_ratio"] > 0
         assert running[("floor", nprocs)]["ratio"] is None  # mp-spawn did not run
+    sized = [r for r in document["rounds"] if r["method"] == "floor-sized"]
+    assert sorted(r["nprocs"] for r in sized if r["kind"] == "launch") == [1, 4]
+
+
+_SIZED_CHECK = """
+import subprocess, sys
+import fastspawn
+from fastspawn import _bench
+
+def modules(rank):
+    return sorted(sys.modules)
+
+if __name__ == "__main__":
+    rank = set(fastspawn.start_processes(modules, nprocs=1).return_values[0])
+    code = _bench._SIZED_PREFIX + "import sys; print(' '.join(sorted(sys.modules)))"
+    sized = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    helper = set(sized.stdout.split())
+    print(sorted(helper - rank), sorted(rank - helper))
+"""
+
+
+def test_the_sized_floor_holds_the_modules_a_zygote_rank_holds(tmp_path):
+    # The floor-sized helper is what a zygote serving a small program is:
+    # the same modules, so a fork of it copies what a fork of the zygote does.
+    script = tmp_path / "caller.py"
+    script.write_text(_SIZED_CHECK)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] []"
 
 
 def test_help_is_clear():
