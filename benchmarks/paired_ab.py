@@ -37,7 +37,13 @@ def one_round(fastspawn: str, methods: str, nprocs: str) -> dict[str, Any]:
         )
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
-    return result
+    # What the comparison reads, per round: the machine and the phases.
+    keep = ("method", "nprocs", "round", "kind", "created_s", "running_s", "joined_s")
+    return {
+        "started_at": result["started_at"],
+        "machine": result["machine"],
+        "rounds": [{k: r[k] for k in keep} for r in result["rounds"]],
+    }
 
 
 def running(result: dict[str, Any]) -> dict[tuple[str, int], float]:

@@ -155,7 +155,7 @@ class Receiver:
         got = False
         while not self.reports.eof:
             try:
-                got |= self._read_one()
+                got |= self._read_one(hold=False)
             except BlockingIOError:
                 break
         return got
@@ -176,30 +176,38 @@ class Receiver:
             if not poller.poll(None if left is None else left * 1000):
                 return False
             try:
-                return self._read_one()
+                return self._read_one(hold=True)
             except BlockingIOError:
                 pass  # woken for nothing: wait again
         return False
 
-    def _read_one(self) -> bool:
+    def _read_one(self, hold: bool) -> bool:
         """Read one message, without blocking, and apply it to ``reports``.
         False at EOF.
 
-        Signals are held from the receive until the message is applied: a
-        Ctrl-C raised as recvmsg() returns would drop the fds it brought (a
-        launch's pidfds) on the floor, open, known to nobody."""
+        ``hold``: signals are held from the receive until the message is
+        applied, for a read that may bring a launch's pidfds (read_blocking,
+        which a launch waits in): a Ctrl-C raised as recvmsg() returns would
+        drop them on the floor, open, known to nobody.  Holding costs about
+        0.15 ms a message (Python's signal sets), which drain(), reading the
+        ranks' results and exits, does not pay."""
+        if not hold:
+            return self._receive()
         from fastspawn import _oscall  # the caller's side only: workers never read
 
         with _oscall.held_signals():
-            data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                self.reports.eof = True
-                return False
-            rank, kind, flags = HEADER.unpack_from(data)
-            self._apply(rank, kind, flags, data[HEADER.size :], fds, msg_flags)
-            return True
+            return self._receive()
+
+    def _receive(self) -> bool:
+        data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            self.reports.eof = True
+            return False
+        rank, kind, flags = HEADER.unpack_from(data)
+        self._apply(rank, kind, flags, data[HEADER.size :], fds, msg_flags)
+        return True
 
     def _apply(
         self, rank: int, kind: int, flags: int, body: bytes, fds: list[int], msg_flags: int
