@@ -544,12 +544,7 @@ class _Zygote:
                 call = f"setpgid of rank {rank}"
                 _join_group(pid, group)
         except BaseException as exc:
-            err = exc.errno if isinstance(exc, OSError) and exc.errno else 0
-            failure = _channel.LaunchFailure(err, f"{call} in the zygote", traceback.format_exc())
-            launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
-            launch.live = len(pids)
+            _abandon(launch, pids, call, exc)
             pids = []
         finally:
             if group:
@@ -640,12 +635,7 @@ class _Zygote:
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)
         except BaseException as exc:
-            err = exc.errno if isinstance(exc, OSError) and exc.errno else 0
-            failure = _channel.LaunchFailure(err, f"{call} in the zygote", traceback.format_exc())
-            launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
-            launch.live = len(pids)
+            _abandon(launch, pids, call, exc)
             pids = []
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
@@ -810,6 +800,19 @@ def _in_worker(user_handlers: Mapping[int, Any]) -> None:
         signal.signal(sig, user_handlers.get(sig, default))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
     _worker.reseed()
+
+
+def _abandon(launch: _Launch, pids: list[int], call: str, exc: BaseException) -> None:
+    """A launch failed at ``call`` (fork_ranks, start_binaries): report it
+    on the launch's channel with its errno and traceback, and kill the
+    ranks started so far (unreaped: their pids stay theirs until the
+    zygote reaps them, counted live until then)."""
+    err = exc.errno if isinstance(exc, OSError) and exc.errno else 0
+    failure = _channel.LaunchFailure(err, f"{call} in the zygote", traceback.format_exc())
+    launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    launch.live = len(pids)
 
 
 class PreloadError(ImportError):
