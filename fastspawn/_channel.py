@@ -189,7 +189,7 @@ class Receiver:
         applied, for a read that may bring a launch's pidfds (read_blocking,
         which a launch waits in): a Ctrl-C raised as recvmsg() returns would
         drop them on the floor, open, known to nobody.  Holding costs about
-        0.15 ms a message (Python's signal sets), which drain(), reading the
+        0.08 ms a message (Python's signal sets), which drain(), reading the
         ranks' results and exits, does not pay."""
         if not hold:
             return self._receive()
