@@ -133,20 +133,39 @@ def _unused_uid() -> int:
     pytest.skip("no unused uid in 61000-61499 to run the scenario as")
 
 
+def _stage_importable(base: str) -> str:
+    """A copy of this fastspawn and of cffi's backend in a new directory
+    under ``base`` that any user may read: the checkout and the venv may sit
+    in directories only root can enter (a clone under ``mktemp -d``)."""
+    folder = tempfile.mkdtemp(prefix="fastspawn-nproc-import-", dir=base)
+    package = os.path.dirname(os.path.abspath(fastspawn.__file__))
+    shutil.copytree(
+        package, os.path.join(folder, "fastspawn"), ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.copy(_cffi_backend.__file__, folder)
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    return folder
+
+
 @pytest.fixture(scope="module")
-def unprivileged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str, str]]:
+def unprivileged(private_tmpdir: str) -> Iterator[tuple[int, str, str]]:
     """(uid, a Python it can run that imports this fastspawn, the
     PYTHONPATH for that), or a skip saying why the scenario cannot be set
     up here."""
     if os.getuid() != 0:
         pytest.skip("needs root, to drop to another user (RLIMIT_NPROC does not bind root)")
     uid = _unused_uid()
-    path = os.pathsep.join(
-        [
-            os.path.dirname(os.path.dirname(os.path.abspath(fastspawn.__file__))),
-            os.path.dirname(os.path.abspath(_cffi_backend.__file__)),
-        ]
-    )
+    path = _stage_importable(os.path.dirname(private_tmpdir))
+    try:
+        yield from _python_for(uid, path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _python_for(uid: int, path: str) -> Iterator[tuple[int, str, str]]:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     candidates = dict.fromkeys(
         [
