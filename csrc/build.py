@@ -40,6 +40,7 @@ ffibuilder.set_source(
             "group.c",
             "fdidentity.c",
             "stacks.c",
+            "forkloop.c",
         )
     ],
     include_dirs=["csrc"],

@@ -103,4 +103,29 @@ int fs_fd_is(int fd, uint64_t dev, uint64_t ino);
 /* stacks.c: each forked rank's own file for its stack dump */
 int fs_stacks_file(const char *prefix, int rank, int target);
 
+/* forkloop.c: a launch's fork loop in the zygote (see fs_fork_ranks) */
+struct fs_fork_plan {
+    int nprocs;                /* ranks in the launch */
+    int next;                  /* in: the rank to fork first; out: the next */
+    pid_t parent;              /* the forking process: the pdeathsig check */
+    int pdeathsig;             /* armed in each rank; 0: none */
+    int group;                 /* > 0: the process group of every rank */
+    uint64_t unblock;          /* bit n-1: signal n unblocked in each rank */
+    const char *stacks_prefix; /* non-NULL: each rank's stack file (stacks.c) */
+    int stacks_fd;             /* at this fd */
+    int failed_step;           /* out: an fs_fork_step */
+    int error;                 /* out: its errno */
+};
+
+/* What failed in fs_fork_ranks, its plan's failed_step. */
+enum fs_fork_step {
+    FS_FORK_OK = 0,
+    FS_FORK_STACKS = 1,        /* in the parent: the rank's stack file */
+    FS_FORK_FORK = 2,          /* fork(2) */
+    FS_FORK_SETPGID = 3,       /* setpgid(pid, group) */
+    FS_FORK_CHILD_SETPGID = 4, /* in the child: setpgid(0, group) */
+    FS_FORK_PDEATHSIG = 5      /* PR_SET_PDEATHSIG, the parent check (ESRCH) */
+};
+int fs_fork_ranks(struct fs_fork_plan *plan, pid_t *pids);
+
 #endif

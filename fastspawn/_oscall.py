@@ -62,6 +62,67 @@ def set_pdeathsig(sig: int, expected_ppid: int) -> None:
         _raise_errno("fs_set_pdeathsig")
 
 
+class ForkLoop:
+    """The ranks of one launch, forked by the C loop (fs_fork_ranks): no
+    Python runs in the forking process between two forks, nor in a child
+    before its process group, PR_SET_PDEATHSIG (checked against ``parent``)
+    and the interpreter's after-fork work are done, and ``unblock`` is
+    unblocked.  :meth:`fork` forks the ranks not yet forked; the pids so
+    far are in :attr:`pids`.
+    """
+
+    # What a step of the loop is, for errors: the C call that failed.
+    _CALLS = {
+        lib.FS_FORK_STACKS: "fs_stacks_file",
+        lib.FS_FORK_FORK: "fork(2)",
+        lib.FS_FORK_SETPGID: "setpgid",
+        lib.FS_FORK_CHILD_SETPGID: "setpgid in the rank",
+        lib.FS_FORK_PDEATHSIG: "fs_set_pdeathsig",
+    }
+
+    def __init__(
+        self, nprocs: int, parent: int, group: int, pdeathsig: int, unblock: Iterable[int]
+    ) -> None:
+        self._plan = ffi.new("struct fs_fork_plan *")
+        self._plan.nprocs = nprocs
+        self._plan.parent = parent
+        self._plan.group = group
+        self._plan.pdeathsig = pdeathsig
+        self._plan.unblock = _mask_bits(unblock)
+        self._pids = ffi.new("pid_t[]", max(nprocs, 1))
+
+    @property
+    def next(self) -> int:
+        """The rank to fork next (nprocs: all are forked)."""
+        return int(self._plan.next)
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of ranks 0 .. next - 1."""
+        return list(self._pids[0 : self._plan.next])
+
+    def fork(self, stacks_prefix: bytes | None = None, stacks_fd: int = -1) -> int:
+        """Fork the ranks from :attr:`next` on, each with a stack file named
+        ``stacks_prefix`` at ``stacks_fd`` if given (fs_stacks_file).
+        Returns the rank in a child, -1 in the parent: all forked, or the
+        loop stopped at a failure (see :meth:`failure`)."""
+        keep = ffi.new("char[]", stacks_prefix) if stacks_prefix is not None else ffi.NULL
+        self._plan.stacks_prefix = keep
+        self._plan.stacks_fd = stacks_fd
+        try:
+            return int(lib.fs_fork_ranks(self._plan, self._pids))
+        finally:
+            self._plan.stacks_prefix = ffi.NULL
+
+    def failure(self) -> tuple[int, OSError | None]:
+        """How the last :meth:`fork` went, in the parent or a rank: (the
+        step that failed, an FS_FORK_* value, its OSError), or (0, None)."""
+        step = int(self._plan.failed_step)
+        if step == lib.FS_FORK_OK:
+            return 0, None
+        return step, _error(int(self._plan.error), self._CALLS.get(step, "fs_fork_ranks"))
+
+
 def set_child_subreaper() -> None:
     """Adopt orphaned descendants (PR_SET_CHILD_SUBREAPER)."""
     if lib.fs_set_child_subreaper() != 0:

@@ -416,7 +416,9 @@ def _redirect_stdio(stdio: Sequence[int], flush: bool = True) -> None:
 
 
 def reseed() -> None:
-    """Give a forked worker its own random streams, as a fresh interpreter has.
+    """Give a forked worker its own random streams, as a fresh interpreter
+    has: numpy's.  Python's ``random`` reseeds itself at fork (its
+    ``os.register_at_fork`` handler), which the zygote's fork loop runs.
 
     Only generators that exist already: numpy's legacy global RNG lives in
     ``numpy.random``, which ``import numpy`` (and so ``import torch``) leaves
@@ -424,9 +426,6 @@ def reseed() -> None:
     (about 18 ms each on the benchmark machine), and a worker that imports
     it later seeds it from the OS anyway.
     """
-    random = sys.modules.get("random")
-    if random is not None:
-        random.seed()  # Python reseeds it at fork too; a worker that imports it later seeds it then
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         try:
@@ -632,6 +631,8 @@ class ForkSpec:
         stacks: what each worker does of the stack dump itself: None
             nothing (born armed, or stacks off), True arm_stacks, False
             disarm_stacks (see ForkStacks.in_worker).
+        parent_death_armed: PR_SET_PDEATHSIG is armed (and the parent
+            checked) already, by the C fork loop (the zygote's).
     """
 
     __slots__ = (
@@ -649,6 +650,7 @@ class ForkSpec:
         "channel",
         "match_torch_threads",
         "stacks",
+        "parent_death_armed",
     )
 
     def __init__(
@@ -681,6 +683,7 @@ class ForkSpec:
         self.channel = channel_identity(tx)
         self.match_torch_threads = torch_threads_to_match(envs)
         self.stacks = stacks
+        self.parent_death_armed = False
 
 
 def forked_child(
@@ -716,12 +719,8 @@ def _set_up_forked(
     spec: ForkSpec, rank: int, stdio: Sequence[int] | None, close_fds: Sequence[int]
 ) -> None:
     """A forked worker's process set-up, before its fn runs."""
-    from fastspawn import _oscall  # loaded in the forking process already
-
-    try:
-        _oscall.set_pdeathsig(signal.SIGKILL, spec.parent)
-    except ProcessLookupError:
-        os._exit(1)  # the parent died before prctl: nobody wants us
+    if not spec.parent_death_armed:
+        _arm_parent_death(spec.parent)
     for fd in (*spec.close_fds, *close_fds):
         try:
             os.close(fd)
@@ -748,6 +747,16 @@ def _set_up_forked(
         _set_parent_process(spec.parent)
     if spec.stacks is not None:  # no call otherwise: its pages would be copied
         _forked_stacks(spec, rank)
+
+
+def _arm_parent_death(parent: int) -> None:
+    """PR_SET_PDEATHSIG(SIGKILL) against ``parent``, or exit if it is gone."""
+    from fastspawn import _oscall  # loaded in the forking process already
+
+    try:
+        _oscall.set_pdeathsig(signal.SIGKILL, parent)
+    except ProcessLookupError:
+        os._exit(1)  # the parent died before prctl: nobody wants us
 
 
 def _forked_stacks(spec: ForkSpec, rank: int) -> None:

@@ -48,11 +48,12 @@ import stat
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from fastspawn import _channel, _hugepages, _oscall, _pickling, _procstate, _worker
 from fastspawn import _zygote_protocol as protocol
 from fastspawn._children import children_of, kill_children
+from fastspawn._core import lib
 
 # Every import here is one the zygote (and each worker, its copy) carries:
 # typing only for annotations.  traceback stays: a failing worker formats its
@@ -509,11 +510,12 @@ class _Zygote:
         stacks = _worker.ForkStacks(header.stacks)
         spec = self.worker_spec(header, launch, stdio, fn, args, payload_error)
         spec.stacks = stacks.in_worker
+        spec.parent_death_armed = True  # by the fork loop
         pids: list[int] = []
-        # A signal landing between fork and _in_worker() would run the
-        # zygote's handlers in the worker (SIGTERM would make it act as a
-        # zygote shutting down, and exit 0).  Block them across the fork; the
-        # worker unblocks once its own dispositions are in place.
+        # A signal landing between fork and the worker's own handling would
+        # run the zygote's handlers in the worker (SIGTERM would make it act
+        # as a zygote shutting down, and exit 0).  Block them across the
+        # loop; each worker unblocks them with its own handlers in place.
         signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_SIGNALS)
         # Fork under the caller's RLIMIT_NPROC, not ours (the caller's as
         # the zygote started): past it, the launch fails with EAGAIN as the
@@ -522,8 +524,8 @@ class _Zygote:
         group = 0
         call = "fs_group_anchor"  # what runs now, for the report of a failure
         stacks.begin()
-        stacks_file, stacks_fd, prefix = stacks.stacks_file, stacks.fd, _worker.STACKS_PREFIX
         try:
+            unlent = self.lend_signals()
             # The launch's process group is led by an anchor that exits at
             # once (its zombie holds the group until every rank has joined),
             # so no rank leads it and each may still setsid(), as a spawned
@@ -531,18 +533,27 @@ class _Zygote:
             group = _oscall.group_anchor() if header.process_group else 0
             if group:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
-            for rank in range(header.nprocs):
-                call = f"fork of rank {rank} of {header.nprocs}"
-                if stacks_file is not None and stacks_file(prefix, rank, stacks_fd) != 0:
-                    stacks.failed()
-                    stacks_file = None
-                pid = os.fork()
-                if pid == 0:
-                    self.in_worker(spec, rank, group, stdio)
-                pids.append(pid)
-                self.workers[pid] = (launch, rank)
-                call = f"setpgid of rank {rank}"
-                _join_group(pid, group)
+            loop = _oscall.ForkLoop(
+                header.nprocs, self.me, group, signal.SIGKILL, () if unlent else _ZYGOTE_SIGNALS
+            )
+            while loop.next < header.nprocs:
+                first = loop.next
+                prefix = _worker.STACKS_PREFIX if stacks.stacks_file is not None else None
+                rank = loop.fork(prefix, stacks.fd)
+                if rank >= 0:
+                    self.in_worker(spec, rank, stdio, loop, unlent)
+                pids = loop.pids
+                for forked, pid in enumerate(pids[first:], first):
+                    self.workers[pid] = (launch, forked)
+                step, error = loop.failure()
+                if step == lib.FS_FORK_STACKS:
+                    stacks.failed()  # out of fds: the rest go without
+                elif error is not None:
+                    if step == lib.FS_FORK_FORK:
+                        call = f"fork of rank {loop.next} of {header.nprocs}"
+                    else:  # FS_FORK_SETPGID, of the rank last forked
+                        call = f"setpgid of rank {loop.next - 1}"
+                    raise error
         except BaseException as exc:
             _abandon(launch, pids, call, exc)
             pids = []
@@ -550,10 +561,42 @@ class _Zygote:
             if group:
                 _oscall.release_group_anchor(group)
             stacks.end()
+            self.take_back_signals()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
             stdio.close()
             _procstate.restore_limits(saved_limits)
         return pids
+
+    def lend_signals(self) -> set[int]:
+        """For the length of a fork loop (the zygote's signals blocked): the
+        workers' handlers in place of the zygote's, so that each rank is
+        born with them rather than setting them itself (three
+        ``signal.signal()`` calls and the wakeup fd cost a rank some 40
+        page copies, 0.2 ms, measured).  A handler SIG_IGN is not lent: set
+        here, it would discard a SIGTERM pending for the zygote itself (its
+        shutdown).  Returns the signals not lent, which each rank sets."""
+        signal.set_wakeup_fd(-1)
+        unlent = set()
+        for sig, default in _WORKER_HANDLERS.items():
+            handler = self.user_handlers.get(sig, default)
+            if handler == signal.SIG_IGN:
+                unlent.add(sig)
+            else:
+                signal.signal(sig, handler)
+        return unlent
+
+    def take_back_signals(self) -> None:
+        """After a fork loop, before the zygote's signals are unblocked:
+        its own handlers back.  SIGCHLD at SIG_DFL for the loop dropped the
+        one pending, if any, and those that came: look for exited workers
+        as if one had come."""
+        for sig, own in _OWN_HANDLERS.items():
+            signal.signal(sig, own)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        try:
+            os.write(self.wake_w, b"\0")
+        except BlockingIOError:
+            pass  # full: the loop wakes for it already
 
     def worker_spec(
         self,
@@ -644,18 +687,27 @@ class _Zygote:
         return pids
 
     def in_worker(
-        self, spec: _worker.ForkSpec, rank: int, group: int, stdio: _LaunchStdio
+        self,
+        spec: _worker.ForkSpec,
+        rank: int,
+        stdio: _LaunchStdio,
+        loop: _oscall.ForkLoop,
+        unlent: set[int],
     ) -> NoReturn:
-        """A freshly forked rank: leave the zygote's ways, become the worker.
+        """A freshly forked rank (its group, PR_SET_PDEATHSIG and the
+        workers' handlers in place, see fork_ranks): become the worker.
         Never returns into the zygote's loop: a handler of the user's that
-        raises may run as _in_worker lets the signals through, before the
-        worker's own handling starts."""
+        raises may run as the signals are let through, before the worker's
+        own handling starts."""
         try:
-            if group:
-                # Set in both processes, as shells do, so that neither order
-                # of running leaves a gap.
-                os.setpgid(0, group)
-            _in_worker(self.user_handlers)
+            step, error = loop.failure()
+            if step == lib.FS_FORK_PDEATHSIG and isinstance(error, ProcessLookupError):
+                os._exit(1)  # the zygote died before prctl: nobody wants us
+            if error is not None:
+                raise error
+            if unlent:
+                _in_worker(unlent)
+            _worker.reseed()
             rank_stdio, unused = stdio.for_rank(rank)
             _worker.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
         except BaseException:
@@ -773,33 +825,16 @@ class _Zygote:
 _ZYGOTE_SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
 
 
-def _join_group(pid: int, group: int) -> None:
-    """Put a forked rank in its launch's process group (0: none).  Set in
-    both processes, as shells do, so that neither order of running leaves
-    a gap."""
-    if group:
-        try:
-            os.setpgid(pid, group)
-        except (PermissionError, ProcessLookupError):
-            pass  # it already did, and may have moved on
-
-
 def _on_sigchld(signum: int, frame: Any) -> None:
     """Nothing: the wakeup fd is what tells the zygote's loop."""
 
 
-def _in_worker(user_handlers: Mapping[int, Any]) -> None:
-    """Undo, in a freshly forked worker, what only the zygote wants: a
-    worker has Python's defaults, or what user code set (``user_handlers``)."""
-    signal.set_wakeup_fd(-1)
-    for sig, default in (
-        (signal.SIGCHLD, signal.SIG_DFL),
-        (signal.SIGTERM, signal.SIG_DFL),
-        (signal.SIGINT, signal.default_int_handler),
-    ):
-        signal.signal(sig, user_handlers.get(sig, default))
+def _in_worker(unlent: set[int]) -> None:
+    """In a freshly forked rank: the handlers the fork loop could not lend
+    (SIG_IGN, see lend_signals) set, then the zygote's signals let through."""
+    for sig in unlent:
+        signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _ZYGOTE_SIGNALS)
-    _worker.reseed()
 
 
 def _abandon(launch: _Launch, pids: list[int], call: str, exc: BaseException) -> None:
@@ -852,6 +887,14 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
         _terminating = True
         raise SystemExit(0)
 
+
+# A worker's handlers for those signals, unless user code set its own
+# (user_handlers): Python's defaults.
+_WORKER_HANDLERS: dict[int, Any] = {
+    signal.SIGCHLD: signal.SIG_DFL,
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGINT: signal.default_int_handler,
+}
 
 # The zygote's own handlers (SIGINT: Ctrl-C is for the caller).
 _OWN_HANDLERS: dict[int, Any] = {

@@ -412,3 +412,60 @@ def test_same_file_tells_one_description_from_another(tmp_path):
     finally:
         for fd in (a, b, c):
             os.close(fd)
+
+
+def _fork_loop_report(loop: _oscall.ForkLoop, out: int) -> None:
+    """In a rank of a test's ForkLoop: report its rank, group, pdeathsig,
+    whether SIGUSR2 is blocked and how its set-up went; then exit."""
+    import ctypes
+
+    try:
+        got = ctypes.c_int(-1)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+        blocked = signal.SIGUSR2 in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        step, error = loop.failure()
+        line = f"{loop.next} {os.getpgid(0)} {got.value} {blocked} {step} {type(error).__name__}\n"
+        os.write(out, line.encode())
+    finally:
+        os._exit(0)
+
+
+def _fork_loop_run(nprocs: int, parent: int, group: int) -> tuple[list[str], _oscall.ForkLoop]:
+    """Fork ``nprocs`` ranks with ForkLoop, SIGUSR2 blocked here and to be
+    unblocked in them; reap them; their reports, one line each."""
+    r, w = os.pipe()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        loop = _oscall.ForkLoop(nprocs, parent, group, signal.SIGKILL, {signal.SIGUSR2})
+        if loop.fork() >= 0:
+            _fork_loop_report(loop, w)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        os.close(w)
+    for pid in loop.pids:
+        os.waitpid(pid, 0)
+    with os.fdopen(r) as reports:
+        return sorted(reports.read().splitlines()), loop
+
+
+def test_fork_loop_sets_each_rank_up_and_reports_every_pid():
+    group = _oscall.group_anchor()
+    try:
+        lines, loop = _fork_loop_run(3, os.getpid(), group)
+    finally:
+        _oscall.release_group_anchor(group)
+    assert loop.failure() == (0, None)
+    assert loop.next == 3 and len(set(loop.pids)) == 3
+    assert lines == [f"{rank} {group} {int(signal.SIGKILL)} False 0 NoneType" for rank in range(3)]
+
+
+def test_fork_loop_rank_whose_parent_is_not_the_one_expected_learns_it():
+    # The race check of PR_SET_PDEATHSIG: a rank whose parent is not the
+    # pid given (here, never was) gets ESRCH, and keeps its signals blocked.
+    from fastspawn._core import lib
+
+    lines, loop = _fork_loop_run(1, 1, 0)
+    assert loop.failure() == (0, None)  # the parent's own part went well
+    step = int(lib.FS_FORK_PDEATHSIG)
+    assert lines == [f"0 {os.getpgid(0)} {int(signal.SIGKILL)} True {step} ProcessLookupError"]

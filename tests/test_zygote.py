@@ -580,3 +580,63 @@ def test_preload_failure_names_the_module_and_the_argument():
         fastspawn.start_processes(workers.succeed, nprocs=1, preload=["no_such_mod_fs"])
     last = str(info.value).rstrip().splitlines()[-1]
     assert "preload=['no_such_mod_fs']" in last and "could not import 'no_such_mod_fs'" in last
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_workers_have_pythons_signal_handling_not_the_zygotes(start_method):
+    # The zygote lends its workers their handlers for the length of its fork
+    # loop: each is born with Python's defaults, nothing blocked, no wakeup
+    # fd, as a spawned worker is, launch after launch.
+    for _ in range(2):
+        ctx = fastspawn.start_processes(workers.signal_state, nprocs=3, start_method=start_method)
+        assert (
+            list(ctx.return_values.values())
+            == [
+                {
+                    "handlers": {
+                        "SIGCHLD": "SIG_DFL",
+                        "SIGTERM": "SIG_DFL",
+                        "SIGINT": "default_int_handler",
+                    },
+                    "blocked": [],
+                    "wakeup_fd": -1,
+                }
+            ]
+            * 3
+        )
+
+
+def test_signals_the_main_module_ignores_are_ignored_in_workers_and_the_zygote_still_ends(
+    tmp_path,
+):
+    # SIG_IGN is the one handler the zygote does not lend (it would drop a
+    # SIGTERM pending for the zygote itself): each worker sets it. The zygote
+    # must still reap its workers and end with the caller.
+    script = tmp_path / "ignoring.py"
+    done = run_script(
+        script,
+        """
+            import os, signal, sys
+            import fastspawn
+            sys.path.insert(0, sys.argv[1])
+            import workers
+
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if __name__ != "__main__":
+                signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+
+            if __name__ == "__main__":
+                for _ in range(2):
+                    state = workers.signal_state
+                    ctx = fastspawn.start_processes(state, nprocs=2, start_method="zygote")
+                    print(sorted(str(state) for state in ctx.return_values.values()))
+            """,
+        command=[sys.executable, str(script), os.path.dirname(workers.__file__)],
+    )
+    assert done.returncode == 0, done.stderr
+    state = {
+        "handlers": {"SIGCHLD": "SIG_IGN", "SIGTERM": "SIG_IGN", "SIGINT": "default_int_handler"},
+        "blocked": [],
+        "wakeup_fd": -1,
+    }
+    assert done.stdout.splitlines() == [str([str(state)] * 2)] * 2

@@ -782,3 +782,21 @@ def nested_fork_launch(rank: int, stacks: bool) -> tuple[Any, dict[int, str], An
             pass
         queue.close()
     return reports, found, before, _stacks.find_memfd(os.getpid())
+
+
+def signal_state(rank: int) -> dict[str, Any]:
+    """How this worker handles the signals a zygote lives by: each handler
+    (its name, or SIG_DFL / SIG_IGN), those blocked, and the wakeup fd."""
+
+    def name(handler: Any) -> str:
+        return getattr(handler, "__name__", None) or signal.Handlers(handler).name
+
+    wakeup = signal.set_wakeup_fd(-1)
+    if wakeup != -1:
+        signal.set_wakeup_fd(wakeup)
+    watched = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT)
+    return {
+        "handlers": {sig.name: name(signal.getsignal(sig)) for sig in watched},
+        "blocked": sorted(sig.name for sig in signal.pthread_sigmask(signal.SIG_BLOCK, ())),
+        "wakeup_fd": wakeup,
+    }
