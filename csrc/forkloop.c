@@ -59,8 +59,9 @@ static void unblock(uint64_t mask)
  * after-fork work, which drops the signals Python caught but had not yet
  * handled).
  *
- * Returns, in a child, its rank, with plan->failed_step and plan->error
- * saying how its set-up went (the child's own copy).  In the parent: -1,
+ * Returns, in a child, its rank; -2 in a child whose set-up failed, its
+ * rank in plan->next, the step that failed in plan->failed_step, errno in
+ * plan->error (the child's own copy).  In the parent: -1,
  * pids[rank] set for every rank forked and plan->next the rank to fork next;
  * plan->failed_step says why the loop stopped early (FS_FORK_OK: it did
  * not), with errno in plan->error: a stack file that could not be made
@@ -115,5 +116,7 @@ int fs_fork_ranks(struct fs_fork_plan *plan, pid_t *pids)
     plan->failed_step = step;
     plan->error = error;
     PyGILState_Release(gil);
+    if (rank >= 0 && step != FS_FORK_OK)
+        return -2;
     return rank;
 }

@@ -104,8 +104,9 @@ class ForkLoop:
     def fork(self, stacks_prefix: bytes | None = None, stacks_fd: int = -1) -> int:
         """Fork the ranks from :attr:`next` on, each with a stack file named
         ``stacks_prefix`` at ``stacks_fd`` if given (fs_stacks_file).
-        Returns the rank in a child, -1 in the parent: all forked, or the
-        loop stopped at a failure (see :meth:`failure`)."""
+        Returns the rank in a child; -2 in a child whose set-up failed (its
+        rank is :attr:`next`; see :meth:`failure`); -1 in the parent: all
+        forked, or the loop stopped at a failure (see :meth:`failure`)."""
         keep = ffi.new("char[]", stacks_prefix) if stacks_prefix is not None else ffi.NULL
         self._plan.stacks_prefix = keep
         self._plan.stacks_fd = stacks_fd

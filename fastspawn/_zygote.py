@@ -283,6 +283,7 @@ class _Zygote:
         # Every launch's workers then fail as spawned ones would.
         self.prepare_failure: tuple[str, Any] | None = None
         self.to_collapse: list[int] = []  # stretches for collapse_when_idle
+        self.reseed_numpy = False  # the launch forking now: numpy.random is loaded
 
     def reclaim_signals(self) -> None:
         """Put the zygote's own handlers back where user code replaced them,
@@ -511,6 +512,8 @@ class _Zygote:
         spec = self.worker_spec(header, launch, stdio, fn, args, payload_error)
         spec.stacks = stacks.in_worker
         spec.parent_death_armed = True  # by the fork loop
+        # Decided here, not in each worker (a call and a lookup there).
+        self.reseed_numpy = "numpy.random" in sys.modules
         pids: list[int] = []
         # A signal landing between fork and the worker's own handling would
         # run the zygote's handlers in the worker (SIGTERM would make it act
@@ -540,7 +543,7 @@ class _Zygote:
                 first = loop.next
                 prefix = _worker.STACKS_PREFIX if stacks.stacks_file is not None else None
                 rank = loop.fork(prefix, stacks.fd)
-                if rank >= 0:
+                if rank != -1:
                     self.in_worker(spec, rank, stdio, loop, unlent)
                 pids = loop.pids
                 for forked, pid in enumerate(pids[first:], first):
@@ -695,19 +698,20 @@ class _Zygote:
         unlent: set[int],
     ) -> NoReturn:
         """A freshly forked rank (its group, PR_SET_PDEATHSIG and the
-        workers' handlers in place, see fork_ranks): become the worker.
-        Never returns into the zygote's loop: a handler of the user's that
-        raises may run as the signals are let through, before the worker's
-        own handling starts."""
+        workers' handlers in place, see fork_ranks; -2: that failed): become
+        the worker.  Never returns into the zygote's loop: a handler of the
+        user's that raises may run as the signals are let through, before
+        the worker's own handling starts."""
         try:
-            step, error = loop.failure()
-            if step == lib.FS_FORK_PDEATHSIG and isinstance(error, ProcessLookupError):
-                os._exit(1)  # the zygote died before prctl: nobody wants us
-            if error is not None:
-                raise error
+            if rank < 0:
+                step, error = loop.failure()
+                if step == lib.FS_FORK_PDEATHSIG and isinstance(error, ProcessLookupError):
+                    os._exit(1)  # the zygote died before prctl: nobody wants us
+                raise error or AssertionError(f"fs_fork_ranks failed at step {step}")
             if unlent:
                 _in_worker(unlent)
-            _worker.reseed()
+            if self.reseed_numpy:
+                _worker.reseed()
             rank_stdio, unused = stdio.for_rank(rank)
             _worker.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
         except BaseException:

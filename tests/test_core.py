@@ -438,7 +438,7 @@ def _fork_loop_run(nprocs: int, parent: int, group: int) -> tuple[list[str], _os
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     try:
         loop = _oscall.ForkLoop(nprocs, parent, group, signal.SIGKILL, {signal.SIGUSR2})
-        if loop.fork() >= 0:
+        if loop.fork() != -1:  # a rank: -2 if its set-up failed
             _fork_loop_report(loop, w)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
