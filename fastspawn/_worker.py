@@ -347,8 +347,8 @@ def _after_fork(rank: int, daemon: bool) -> None:
     Every step here costs a worker the pages it writes (refcounts, frames):
     the modules come from sys.modules (``from multiprocessing import``
     runs importlib's Python), the after-fork callables only where there are
-    some, the name without its property.  About 15 page copies less a
-    worker, measured."""
+    some, the name without its property: some 10 page copies less a
+    worker, counted with getrusage's minor faults."""
     process = _loaded("multiprocessing.process")
     util = _loaded("multiprocessing.util")
     util._finalizer_registry.clear()

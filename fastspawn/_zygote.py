@@ -574,8 +574,8 @@ class _Zygote:
         """For the length of a fork loop (the zygote's signals blocked): the
         workers' handlers in place of the zygote's, so that each rank is
         born with them rather than setting them itself (three
-        ``signal.signal()`` calls and the wakeup fd cost a rank some 40
-        page copies, 0.2 ms, measured).  A handler SIG_IGN is not lent: set
+        ``signal.signal()`` calls and the wakeup fd cost a rank some 45
+        page copies, 0.18 ms, measured).  A handler SIG_IGN is not lent: set
         here, it would discard a SIGTERM pending for the zygote itself (its
         shutdown).  Returns the signals not lent, which each rank sets."""
         signal.set_wakeup_fd(-1)
