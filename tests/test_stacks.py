@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,20 @@ def handles_stack_signal(pid: int) -> bool:
 
 def fail_in_barrier(start_method: str, **options: Any) -> fastspawn.ProcessRaisedException:
     barrier = SPAWN_CTX.Barrier(4)
-    with pytest.raises(fastspawn.ProcessRaisedException) as raised:
-        fastspawn.start_processes(
-            workers.barrier_or_raise, (barrier,), nprocs=4, start_method=start_method, **options
-        )
+    try:
+        with pytest.raises(fastspawn.ProcessRaisedException) as raised:
+            fastspawn.start_processes(
+                workers.barrier_or_raise, (barrier,), nprocs=4, start_method=start_method, **options
+            )
+    finally:
+        del barrier
+    # The traceback's frames hold the barrier (the launch's args) in a cycle
+    # with this frame: left so, its semaphores would wait for a garbage
+    # collection, which may come while multiprocessing's resource tracker
+    # holds its lock in a later launch (CPython 3.13 then warns
+    # "ResourceTracker called reentrantly ... might leak").  Freed here,
+    # they unregister now.
+    traceback.clear_frames(raised.tb)
     return raised.value
 
 
