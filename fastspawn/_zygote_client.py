@@ -109,6 +109,15 @@ class ZygoteClient(HelperClient):
             # children, daemons too.  Let it, before the groups' SIGKILL
             # takes it and leaves those to init.
             wait_readable([self.zygote_fd], 5.0)
+        else:
+            # The guard died before this thread learned the zygote's pid (a
+            # start cut short, this thread slow to run): the zygote may be
+            # shutting down all the same, in the guard's group.  The same
+            # time for it, watching the group empty (a chaos round on 3.10
+            # saw a launch's grandchildren left to init without this).
+            deadline = time.monotonic() + 5.0
+            while _group_has_live_members(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
         with self.lock:
             groups = [self.pid, *self.groups]
         for group in groups:
@@ -239,6 +248,22 @@ class ZygoteClient(HelperClient):
             self.dead.wait(30)
         self.watcher.join(5)
         os.close(self.pidfd)
+
+
+def _group_has_live_members(group: int) -> bool:
+    """Whether a process that is not a zombie is in process group ``group``
+    (a scan of /proc: for the rare case above only)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == group and state != b"Z":
+            return True
+    return False
 
 
 # ------------------------------------------------------------ the caller's one

@@ -640,3 +640,26 @@ def test_signals_the_main_module_ignores_are_ignored_in_workers_and_the_zygote_s
         "wakeup_fd": -1,
     }
     assert done.stdout.splitlines() == [str([str(state)] * 2)] * 2
+
+
+def test_a_group_with_only_a_zombie_left_has_no_live_members():
+    # What the zygote's watcher waits on when its guard died before it
+    # learned the zygote's pid: the guard's group, empty but for the guard's
+    # zombie once the zygote has shut down.
+    leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert _zygote_client._group_has_live_members(leader.pid)
+        leader.kill()
+        deadline = time.monotonic() + 10
+        while _state(leader.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(leader.pid) == "Z"  # unreaped
+        assert not _zygote_client._group_has_live_members(leader.pid)
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
