@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "fastspawn.h"
+#include "sigbits.h"
 
 /* A child's own set-up, before the interpreter's after-fork work: its
  * process group and its parent-death signal with the race check.  Only
@@ -28,10 +29,7 @@ static void unblock(uint64_t mask)
 {
     sigset_t set;
 
-    sigemptyset(&set);
-    for (int sig = 1; sig <= 64 && sig < NSIG; sig++)
-        if (mask & (1ULL << (sig - 1)))
-            sigaddset(&set, sig);
+    fs_sigset_from_bits(mask, &set);
     /* Cannot fail for SIG_UNBLOCK with a valid set. */
     pthread_sigmask(SIG_UNBLOCK, &set, NULL);
 }

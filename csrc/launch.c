@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "fastspawn.h"
+#include "sigbits.h"
 
 #ifndef CLONE_PIDFD
 #define CLONE_PIDFD 0x00001000
@@ -168,16 +169,12 @@ static int keep_only_keep_fds(const struct fs_launch_spec *s)
 static int set_program_mask(const struct fs_launch_spec *s, const sigset_t *parent_mask)
 {
     sigset_t mask;
-    int sig;
 
     if (!s->set_sigmask)
         return sigprocmask(SIG_SETMASK, parent_mask, NULL);
     /* The parent's own mask is a held one (every signal blocked across a
      * launch), which a program must not start with. */
-    sigemptyset(&mask);
-    for (sig = 1; sig <= 64 && sig < NSIG; sig++)
-        if (s->sigmask & (1ULL << (sig - 1)))
-            sigaddset(&mask, sig);   /* EINVAL for glibc's own: skipped */
+    fs_sigset_from_bits(s->sigmask, &mask);
     return sigprocmask(SIG_SETMASK, &mask, NULL);
 }
 
