@@ -647,7 +647,7 @@ class _Zygote:
         as forked workers are.  On a failure, as fork_ranks."""
         assert header.binary is not None
         path, argvs = header.binary
-        base_env = dict(os.environ)  # the caller's, taken on by prepare()
+        base_env = _oscall.Environ(os.environ)  # the caller's, taken on by prepare()
         stdin = -1 if stdio.caller_in is None else stdio.caller_in
         pids: list[int] = []
         # As in fork_ranks: our own SIGTERM (the guard died) must not land
@@ -665,7 +665,8 @@ class _Zygote:
                 pid, pidfd = _oscall.launch(
                     path,
                     argvs[rank],
-                    {**base_env, **header.envs.get(rank, {})},
+                    base_env,
+                    env_extra=header.envs.get(rank),
                     stdin=stdin,
                     stdout=out,
                     stderr=err,

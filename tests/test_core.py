@@ -164,6 +164,38 @@ def test_launch_redirects_env_cwd_and_closes_fds():
                 os.close(fd)
 
 
+def _environment_of(env, **kwargs):
+    """What `env -0` prints when launched with ``env`` (and ``env_extra``)."""
+    out_r, out_w = os.pipe()
+    try:
+        pid, pidfd = _oscall.launch("/usr/bin/env", ["env", "-0"], env, stdout=out_w, **kwargs)
+        os.close(out_w)
+        out_w = -1
+        try:
+            assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
+        finally:
+            os.close(pidfd)
+        output = b""
+        while chunk := os.read(out_r, 4096):
+            output += chunk
+    finally:
+        for fd in (out_r, out_w):
+            if fd >= 0:
+                os.close(fd)
+    return [entry.decode() for entry in output.split(b"\0")[:-1]]
+
+
+def test_launch_environ_shared_by_launches_with_their_own_variables():
+    base = _oscall.Environ({"A": "1", "B": "2", "C": "3"})
+    # Each launch: the base updated with its own, in {**base, **extra}'s order.
+    assert _environment_of(base, env_extra={"B": "two", "D": "4"}) == ["A=1", "B=two", "C=3", "D=4"]
+    assert _environment_of(base, env_extra={"RANK": "1"}) == ["A=1", "B=2", "C=3", "RANK=1"]
+    assert _environment_of(base) == ["A=1", "B=2", "C=3"]
+    # A plain mapping, with or without extras, is what it always was.
+    assert _environment_of({"X": "é"}, env_extra={"Y": ""}) == ["X=é", "Y="]
+    assert _environment_of({}) == []
+
+
 def test_launch_new_session():
     pid, pidfd = _oscall.launch("/bin/sleep", ["sleep", "30"], {}, new_session=True)
     try:
