@@ -1,6 +1,6 @@
 """One failure among 256 ranks, from a main module that imports next to nothing.
 
-    python benchmarks/failure_lean.py [--rounds 9] [--json FILE]
+    python benchmarks/failure_lean.py [--rounds 9] [--no-stacks] [--json FILE]
 
 The zygote imports the caller's main module (as a spawn child would), so
 every worker carries what that module imports.  zygote_bench.py's main
@@ -14,6 +14,9 @@ Each round: 256 ranks, all up by a common deadline; rank 200 raises; the
 time from its failure to the caller's ProcessRaisedException, every other
 rank reaped (grace_period=0).  Interleaved with this interpreter's floor:
 256 sleeping children forked from it, one killpg(SIGKILL), all reaped.
+By default the launch takes the other ranks' stacks at the failure, as
+start_processes does; --no-stacks launches with stacks=False, to see what
+that collection adds.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ def fail_one(rank: int, deadline: float) -> None:
     time.sleep(600)
 
 
-def one_failure() -> float:
+def one_failure(stacks: bool) -> float:
     deadline = time.monotonic() + 2.0  # every rank is up by then
-    ctx = fastspawn.start_processes(fail_one, (deadline,), nprocs=NPROCS, join=False)
+    ctx = fastspawn.start_processes(fail_one, (deadline,), nprocs=NPROCS, join=False, stacks=stacks)
     try:
         while not ctx.join(grace_period=0):
             pass
@@ -67,6 +70,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument(
+        "--no-stacks",
+        dest="stacks",
+        action="store_false",
+        help="launch with stacks=False: no stacks taken at the failure",
+    )
     parser.add_argument("--json", help="write the samples here too")
     args = parser.parse_args()
     # 255 ranks get SIGTERM and SIGKILL logged; discard those records here.
@@ -77,7 +86,7 @@ def main() -> None:
     failures: list[float] = []
     floors: list[float] = []
     for _ in range(args.rounds):
-        failures.append(one_failure())
+        failures.append(one_failure(args.stacks))
         floors.append(floor())
         print(
             f"  fail 1 of {NPROCS} {failures[-1] * 1000:7.1f} ms   "
@@ -92,6 +101,7 @@ def main() -> None:
         {
             "machine": machine(),
             "nprocs": NPROCS,
+            "stacks": args.stacks,
             "samples_s": failures,
             "median_s": statistics.median(failures),
             "bare_killpg_median_s": statistics.median(floors),

@@ -7,7 +7,8 @@ pair see the same moment of a shared machine.
         --pairs 8 --methods fastspawn-zygote-warm,fastspawn-fork --nprocs 8,64,256 \\
         --json results/ab.json
 
-Prints, per method and nprocs, the medians of "all running" for A and B and
+Prints, per method and nprocs, the medians of "all running" ("all reaped"
+for the binary methods) for A and B and
 the median (min-max) of the per-pair B/A; the JSON keeps every round and the
 1-minute load average before each invocation.  A difference is one where the
 B/A spread lies on one side of 1.
@@ -38,7 +39,7 @@ def one_round(fastspawn: str, methods: str, nprocs: str) -> dict[str, Any]:
         with open(out) as f:
             result: dict[str, Any] = json.load(f)
     # What the comparison reads, per round: the machine and the phases.
-    keep = ("method", "nprocs", "round", "kind", "created_s", "running_s", "joined_s")
+    keep = ("method", "nprocs", "round", "kind", "created_s", "running_s", "joined_s", "reaped_s")
     return {
         "started_at": result["started_at"],
         "machine": result["machine"],
@@ -47,11 +48,14 @@ def one_round(fastspawn: str, methods: str, nprocs: str) -> dict[str, Any]:
 
 
 def running(result: dict[str, Any]) -> dict[tuple[str, int], float]:
-    return {
-        (r["method"], r["nprocs"]): r["running_s"] * 1e3
-        for r in result["rounds"]
-        if r["kind"] == "launch" and r["running_s"] is not None
-    }
+    """ms to "all running" by (method, nprocs); a binary method's "all
+    reaped" (its ranks run no Python to report their start)."""
+    times = {}
+    for r in result["rounds"]:
+        seconds = r["running_s"] if r["running_s"] is not None else r.get("reaped_s")
+        if r["kind"] == "launch" and seconds is not None:
+            times[(r["method"], r["nprocs"])] = seconds * 1e3
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
