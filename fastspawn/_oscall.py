@@ -337,8 +337,8 @@ def _env_entry(key: str, value: str) -> Any:
 class Environ:
     """An environment for launch() whose entries are encoded once, for the
     ranks of a launch that share it but for a few variables of their own:
-    encoding the whole environment for each rank cost 22 us a rank with 35
-    variables (timeit), more than the rest of the rank's preparation."""
+    encoding the whole environment again for each rank cost 22 us a rank
+    with 35 variables, against 3 us for reusing the entries (timeit)."""
 
     __slots__ = ("_entries",)
 
