@@ -124,8 +124,29 @@ def test_launch_bad_cwd():
         _oscall.launch("/bin/true", ["true"], {}, cwd="/nonexistent/dir")
 
 
-def test_launch_redirects_env_cwd_and_closes_fds():
+def _output_of(path, argv, env, **kwargs):
+    """What the program launched with these arguments writes on stdout;
+    it must exit 0."""
     out_r, out_w = os.pipe()
+    try:
+        pid, pidfd = _oscall.launch(path, argv, env, stdout=out_w, **kwargs)
+        os.close(out_w)
+        out_w = -1
+        try:
+            assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
+        finally:
+            os.close(pidfd)
+        output = b""
+        while chunk := os.read(out_r, 4096):
+            output += chunk
+        return output
+    finally:
+        for fd in (out_r, out_w):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_launch_redirects_env_cwd_and_closes_fds():
     keep_r, keep_w = os.pipe()
     stray_r, stray_w = os.pipe()
     os.set_inheritable(stray_w, True)  # inheritable, yet must not leak into the child
@@ -135,23 +156,13 @@ def test_launch_redirects_env_cwd_and_closes_fds():
             f'ls /proc/self/fd | sort -n | tr "\\n" " "; echo; '
             f"echo kept > /proc/self/fd/{keep_w}"
         )
-        pid, pidfd = _oscall.launch(
+        output = _output_of(
             "/bin/sh",
             ["sh", "-c", script],
             {"FS_VAR": "hello", "PATH": os.defpath},
             cwd="/",
-            stdout=out_w,
             keep_fds=[keep_w],
         )
-        os.close(out_w)
-        out_w = -1
-        try:
-            assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
-        finally:
-            os.close(pidfd)
-        output = b""
-        while chunk := os.read(out_r, 4096):
-            output += chunk
         first, fds = output.decode().splitlines()[:2]
         assert first == "hello /"
         open_fds = {int(fd) for fd in fds.split()}
@@ -159,29 +170,13 @@ def test_launch_redirects_env_cwd_and_closes_fds():
         assert stray_w not in open_fds
         assert os.read(keep_r, 100) == b"kept\n"
     finally:
-        for fd in (out_r, keep_r, keep_w, stray_r, stray_w, out_w):
-            if fd >= 0:
-                os.close(fd)
+        for fd in (keep_r, keep_w, stray_r, stray_w):
+            os.close(fd)
 
 
 def _environment_of(env, **kwargs):
-    """What `env -0` prints when launched with ``env`` (and ``env_extra``)."""
-    out_r, out_w = os.pipe()
-    try:
-        pid, pidfd = _oscall.launch("/usr/bin/env", ["env", "-0"], env, stdout=out_w, **kwargs)
-        os.close(out_w)
-        out_w = -1
-        try:
-            assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
-        finally:
-            os.close(pidfd)
-        output = b""
-        while chunk := os.read(out_r, 4096):
-            output += chunk
-    finally:
-        for fd in (out_r, out_w):
-            if fd >= 0:
-                os.close(fd)
+    """The environment `env -0` sees when launched with ``env`` (and ``env_extra``)."""
+    output = _output_of("/usr/bin/env", ["env", "-0"], env, **kwargs)
     return [entry.decode() for entry in output.split(b"\0")[:-1]]
 
 
