@@ -17,7 +17,15 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any, NoReturn
 
-from fastspawn import _kernel_output, _launch, _limits, _oscall, _stacks, _zygote_client
+from fastspawn import (
+    _kernel_output,
+    _launch,
+    _limits,
+    _oscall,
+    _stacks,
+    _warden_client,
+    _zygote_client,
+)
 from fastspawn._channel import Receiver, channel_pair
 from fastspawn._errors import (
     ProcessException,
@@ -574,6 +582,7 @@ def _at_exit() -> None:
         except Exception:
             log.exception("fastspawn: could not shut down %r at exit", ctx)
     _zygote_client.stop_server()
+    _warden_client.release_at_exit()
 
 
 # -------------------------------------------------------------------- checks

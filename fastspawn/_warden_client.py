@@ -108,6 +108,19 @@ def forget_groups(groups: Sequence[int]) -> None:
                 pass  # gone: it kills nothing, and the next launch replaces it
 
 
+def release_at_exit() -> None:
+    """At interpreter exit, once fastspawn's exit hook has ended the
+    launches it could: let go of the warden's control socket without
+    closing its fd.  The warden is to learn of our end only when this
+    process ends (the socket's EOF, as at a death), so the fd stays open
+    until then; but the socket object, left to the interpreter's shutdown,
+    was finalized there still open, with a ResourceWarning (seen at the end
+    of a test run)."""
+    warden = _warden_handle
+    if warden is not None and warden.owned_here() and warden.control.fileno() >= 0:
+        warden.control.detach()
+
+
 def current() -> Warden | None:
     """This process's warden handle, if it started one."""
     return _warden_handle

@@ -325,6 +325,47 @@ def test_warden_leaves_with_its_caller_and_kills_nothing_live(tmp_path):
             pass
 
 
+def test_exit_lets_go_of_the_warden_socket_but_keeps_its_fd_open():
+    # After fastspawn's exit hook the control socket is no object of ours (no
+    # ResourceWarning when the interpreter's shutdown finalizes it), yet its
+    # fd stays open until the process ends: the warden learns of our end
+    # then, as at a death.  atexit is LIFO: registered before fastspawn is
+    # imported, the check runs after fastspawn's hook.
+    driver = run_driver(
+        """
+        import atexit, os
+
+        def check():
+            from fastspawn import _warden_client
+            warden = _warden_client.current()
+            os.fstat(fd)  # still open
+            print(warden.control.fileno(), flush=True)
+
+        atexit.register(check)
+        import fastspawn, workers
+        from fastspawn import _warden_client
+        fastspawn.start_processes(workers.succeed, nprocs=1, start_method="fork")
+        fd = _warden_client.current().control.fileno()
+        (warden,) = _warden_client.warden_process()[0]
+        print(warden, flush=True)
+        """
+    )
+    assert driver.stdout is not None
+    try:
+        warden = int(driver.stdout.readline())
+        assert driver.stdout.read() == "-1\n"
+        assert driver.wait(timeout=60) == 0
+    finally:
+        driver.stdout.close()
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    deadline = time.monotonic() + 10
+    while not gone(warden):
+        assert time.monotonic() < deadline, "the warden outlived its caller"
+        time.sleep(0.02)
+
+
 def test_parent_dead_before_prctl_is_detected():
     """The worker's prctl runs after its parent died: the re-check catches it."""
     reader, writer = os.pipe()
