@@ -959,12 +959,13 @@ def start_processes(
             with torch's ``reify(envs) -> LogsDest``).  Ranks without an
             error file in its ``LogsDest`` get an empty
             ``TORCHELASTIC_ERROR_FILE``.
-        duplicate_stdout_filters, duplicate_stderr_filters: as in torch: when
-            not empty, every line of the ranks tee'd to the console that
-            contains any of these strings is also written, with its prefix,
-            to one file for all ranks: the ``LogsDest``'s
-            ``filtered_stdout``/``filtered_stderr`` (with ``log_dir``:
-            ``{log_dir}/filtered_stdout.log``, ``filtered_stderr.log``).
+        duplicate_stdout_filters: as in torch: when not empty, every
+            stdout line of the ranks tee'd to the console that contains any
+            of these strings is also written, with its prefix, to one file
+            for all ranks: the ``LogsDest``'s ``filtered_stdout`` (with
+            ``log_dir``: ``{log_dir}/filtered_stdout.log``).
+        duplicate_stderr_filters: the same for stderr lines, into
+            ``filtered_stderr`` (``{log_dir}/filtered_stderr.log``).
         numa_options: torch's ``NumaOptions`` (or an object with its
             ``affinity_mode`` and ``should_fall_back_if_binding_fails``):
             bind rank ``i`` to the CPUs near GPU ``i`` as torch defines it
