@@ -29,8 +29,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from fastspawn import _oscall
-from fastspawn._bench import machine
+from fastspawn._bench.host import machine
+from fastspawn._os import oscall
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -44,11 +44,10 @@ def fastspawn_launch(count: int) -> float:
     env = dict(os.environ)
     t0 = time.monotonic()
     pidfds = [
-        _oscall.launch("/bin/true", ["true"], env, pdeathsig=signal.SIGKILL)[1]
-        for _ in range(count)
+        oscall.launch("/bin/true", ["true"], env, pdeathsig=signal.SIGKILL)[1] for _ in range(count)
     ]
     for fd in pidfds:
-        _oscall.pidfd_wait(fd, nohang=False)
+        oscall.pidfd_wait(fd, nohang=False)
         os.close(fd)
     return time.monotonic() - t0
 

@@ -5,7 +5,7 @@
 
 The zygote collapses its memory into huge pages while idle; a launch that
 comes before it had the time finds it in 4 KiB pages.  From 128 ranks on,
-the zygote collapses what is left before forking (_zygote._Zygote.collapse_now).
+the zygote collapses what is left before forking (fastspawn._zygote.server.Zygote.collapse_now).
 Each round runs, for each rank count, three fresh callers one after the
 other, each preloading ``--module`` in a fresh zygote and waiting for the
 import (a 1-rank launch), then launching the ranks and timing the call
@@ -53,7 +53,7 @@ def main() -> None:
 
     from _common import emit
 
-    from fastspawn._bench import machine
+    from fastspawn._bench.host import machine
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -95,7 +95,7 @@ def main() -> None:
         )
     import statistics
 
-    from fastspawn._bench import machine
+    from fastspawn._bench.host import machine
 
     emit(
         {

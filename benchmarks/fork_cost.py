@@ -6,7 +6,7 @@ Each round runs three fresh interpreters, one after the other, each importing
 ``--module``: "plain" forks as is; "collapsed" first collapses its heap and
 arenas the way the fastspawn zygote does when idle; "placed" also placed its
 object arenas in one aligned region before the import, as the zygote does
-from its first line (fastspawn._hugepages), then collapses.  Each forks
+from its first line (fastspawn._os.hugepages), then collapses.  Each forks
 ``--children`` children that stop themselves at once (so the time is the
 fork alone), then kills them all with SIGKILL and reaps them (each child's
 exit tears its page tables down).  Reports per-child medians and the ratios
@@ -33,15 +33,15 @@ KINDS = ("plain", "collapsed", "placed")
 def measure(module: str, kind: str, children: int) -> dict[str, float]:
     """In this process: maybe place, import, maybe collapse, fork and kill
     ``children``."""
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
     if kind == "placed":
-        _hugepages.place_arenas()
+        hugepages.place_arenas()
     __import__(module)
     collapsed = 0
     if kind != "plain":
-        collapsed = sum(_hugepages.collapse(a) for a in _hugepages.collapsible_ranges())
-    rollup = _hugepages.smaps_rollup()
+        collapsed = sum(hugepages.collapse(a) for a in hugepages.collapsible_ranges())
+    rollup = hugepages.smaps_rollup()
     pids = []
     t0 = time.perf_counter()
     for _ in range(children):
@@ -112,7 +112,7 @@ def main() -> None:
         kind: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
         for kind, runs in samples.items()
     }
-    from fastspawn._bench import machine
+    from fastspawn._bench.host import machine
 
     report = {
         "machine": machine(),

@@ -194,7 +194,7 @@ def measure(method: str, nprocs: int, rounds: int) -> Result:
 def machine() -> dict[str, Any]:
     """The machine description ``fastspawn bench`` records (imported here,
     in the parent only: workers never load fastspawn through this module)."""
-    from fastspawn._bench import machine as describe
+    from fastspawn._bench.host import machine as describe
 
     return describe()
 

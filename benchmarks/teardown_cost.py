@@ -22,7 +22,7 @@ Variants (all import fastspawn's C core, for MADV_COLLAPSE):
   anon-huge  the same 16 MiB collapsed into 2 MiB huge pages (skipped where
              MADV_COLLAPSE or huge pages are not available)
   zygote     shaped as the zygote shapes itself: object arenas placed in
-             one aligned region first (fastspawn._hugepages), then its
+             one aligned region first (fastspawn._os.hugepages), then its
              imports (fastspawn._zygote, multiprocessing.spawn), gc.freeze()
              and the huge-page collapse of its idle time
   zygote-unplaced  the same without placing the arenas
@@ -44,14 +44,14 @@ VARIANTS = ("bare", "mappings", "anon", "anon-huge", "zygote", "zygote-unplaced"
 
 def _prepare(variant: str) -> list[object]:
     """Shape this process as ``variant``; returns what must stay alive."""
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
     if variant == "zygote":
-        _hugepages.place_arenas()  # first, as in the zygote
+        hugepages.place_arenas()  # first, as in the zygote
     import mmap
 
-    from fastspawn import _oscall
-    from fastspawn._core import ffi
+    from fastspawn._os import oscall
+    from fastspawn._os._core import ffi
 
     keep: list[object] = []
     PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # noqa: N806
@@ -70,7 +70,7 @@ def _prepare(variant: str) -> list[object]:
             area[page] = 1
         if variant == "anon-huge":
             for stretch in range(base + offset, base + offset + (ANON_MIB << 20), HUGE):
-                _oscall.collapse_hugepages(stretch, HUGE)
+                oscall.collapse_hugepages(stretch, HUGE)
         keep.append(area)
     elif variant in ("zygote", "zygote-unplaced"):
         import gc
@@ -79,9 +79,9 @@ def _prepare(variant: str) -> list[object]:
         import fastspawn._zygote  # noqa: F401
 
         gc.freeze()
-        if _hugepages.wanted():
-            for stretch in _hugepages.collapsible_ranges():
-                _hugepages.collapse(stretch)
+        if hugepages.wanted():
+            for stretch in hugepages.collapsible_ranges():
+                hugepages.collapse(stretch)
     return keep
 
 
@@ -90,7 +90,7 @@ def measure(variant: str, children: int) -> dict[str, float]:
     import signal
 
     keep = _prepare(variant)
-    from fastspawn._hugepages import smaps_rollup
+    from fastspawn._os.hugepages import smaps_rollup
 
     rollup = smaps_rollup()
     with open("/proc/self/maps") as f:
@@ -129,13 +129,13 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    from fastspawn import _hugepages
-    from fastspawn._bench import machine
+    from fastspawn._bench.host import machine
+    from fastspawn._os import hugepages
 
     variants = [v for v in args.variants.split(",") if v in VARIANTS]
     if "bare" not in variants:
         parser.error("--variants must include bare (the slopes are differences to it)")
-    if not _hugepages.wanted() and "anon-huge" in variants:
+    if not hugepages.wanted() and "anon-huge" in variants:
         variants.remove("anon-huge")  # nothing can be collapsed here
     samples: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):

@@ -52,8 +52,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fastspawn._bench import machine
-from fastspawn._cli import free_port
+from fastspawn._bench.host import machine
+from fastspawn._cli.topology import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

@@ -44,9 +44,10 @@ import zygote_workers as zw  # noqa: E402
 from _common import emit, fork_sleepers, kill_and_reap  # noqa: E402
 
 import fastspawn  # noqa: E402
-from fastspawn import _oscall, _zygote_client  # noqa: E402
-from fastspawn._bench import machine  # noqa: E402
-from fastspawn._hugepages import smaps_rollup  # noqa: E402
+from fastspawn._bench.host import machine  # noqa: E402
+from fastspawn._os import oscall  # noqa: E402
+from fastspawn._os.hugepages import smaps_rollup  # noqa: E402
+from fastspawn._zygote import client
 
 # ------------------------------------------------------------ launch methods
 
@@ -73,7 +74,7 @@ def bare_fork(n: int) -> float:
 
 
 def zygote_warm(n: int) -> float:
-    _zygote_client.get_server()
+    client.get_server()
     t0 = time.monotonic()
     ctx = fastspawn.start_processes(zw.entry_time, nprocs=n, start_method="zygote")
     return max(ctx.return_values.values()) - t0
@@ -146,7 +147,7 @@ def start64(rounds: int) -> dict[str, Any]:
 def join_1024(rounds: int) -> list[float]:
     """Join return minus the last rank's return from fn: includes every
     rank's exit path (result, exit handlers, kernel teardown)."""
-    _zygote_client.get_server()
+    client.get_server()
     out = []
     for _ in range(rounds):
         t0 = time.monotonic()
@@ -163,12 +164,12 @@ def join_after_exit_1024(rounds: int) -> list[tuple[float, float]]:
     drain the report channel) until all have polled readable, i.e. every rank
     has exited, then run the context's join.  Returns, per round, (last
     return from fn to last exit seen, last exit seen to join returned)."""
-    _zygote_client.get_server()
+    client.get_server()
     out = []
     for _ in range(rounds):
         deadline = time.monotonic() + 3.0
         ctx = fastspawn.start_processes(zw.exit_together, (deadline,), nprocs=1024, join=False)
-        waiter = _oscall.Waiter()
+        waiter = oscall.Waiter()
         channel = 1 << 40
         for proc in ctx.processes:
             waiter.add(proc.sentinel, proc.rank)
@@ -211,7 +212,7 @@ def bare_kill(n: int) -> float:
     forked from this interpreter in one process group, killed with one
     killpg(SIGKILL) and reaped.  Returns killpg to the last waitpid."""
     me = os.getpid()
-    pids = fork_sleepers(n, lambda: _oscall.set_pdeathsig(signal.SIGKILL, me))
+    pids = fork_sleepers(n, lambda: oscall.set_pdeathsig(signal.SIGKILL, me))
     wall, _cpu = kill_and_reap(pids, lambda: os.killpg(pids[0], signal.SIGKILL))
     return wall
 
@@ -230,7 +231,7 @@ def failure(rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         deadline = time.monotonic() + 2.0  # every rank is up by then
         ctx = fastspawn.start_processes(zw.fail_one, (200, deadline, value), nprocs=256, join=False)
-        zygote = _zygote_client.zygote_pid()
+        zygote = client.zygote_pid()
         assert zygote is not None
         sizes["zygote_anonymous_kib"] = smaps_rollup(zygote)["Anonymous"]
         try:
@@ -273,7 +274,7 @@ def memory(rounds: int) -> dict[str, Any]:
 
     ctx = fastspawn.start_processes(zw.idle, (release,), nprocs=n, join=False)
     wait_until_idle(ctx.pids())
-    zygote_pids, _ = _zygote_client.helper_processes()
+    zygote_pids, _ = client.helper_processes()
     workers_uss = _uss(ctx.pids())
     zygote_uss = _uss(list(zygote_pids))
     release.set()
@@ -321,7 +322,7 @@ def torch_scenario(rounds: int) -> dict[str, Any]:
             finally:
                 del os.environ["FASTSPAWN_HUGEPAGES"]
             time.sleep(2.0)
-            zygote = _zygote_client.zygote_pid()
+            zygote = client.zygote_pid()
             assert zygote is not None
             huge_kib[kind].append(smaps_rollup(zygote)["AnonHugePages"])
             t0 = time.monotonic()

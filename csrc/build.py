@@ -1,4 +1,4 @@
-"""cffi build script for fastspawn._core (API mode, compiled at install)."""
+"""cffi build script for fastspawn._os._core (API mode, compiled at install)."""
 
 import re
 from pathlib import Path
@@ -25,7 +25,7 @@ ffibuilder = FFI()
 # are read from it, never copied by hand.
 ffibuilder.cdef(declarations(HEADER.read_text()))
 ffibuilder.set_source(
-    "fastspawn._core",
+    "fastspawn._os._core",
     '#include "fastspawn.h"',
     # setuptools wants paths relative to the project root.
     sources=[

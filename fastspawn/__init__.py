@@ -21,21 +21,20 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _WHERE = {
-    "ENV_VAR_PARALLEL_START": "fastspawn._context",
-    "ProcessContext": "fastspawn._context",
-    "SpawnContext": "fastspawn._spawn_context",
-    "spawn": "fastspawn._context",
-    "start_processes": "fastspawn._context",
-    "ProcessException": "fastspawn._errors",
-    "ProcessExitedException": "fastspawn._errors",
-    "ProcessRaisedException": "fastspawn._errors",
-    "preload": "fastspawn._zygote_client",
-    "stop_zygote": "fastspawn._zygote_client",
-    "Process": "fastspawn._process",
-    "patch_torch": "fastspawn._torch",
-    "unpatch_torch": "fastspawn._torch",
+    "ENV_VAR_PARALLEL_START": "fastspawn._launch.api",
+    "ProcessContext": "fastspawn._launch.context",
+    "SpawnContext": "fastspawn._torch.spawn_context",
+    "spawn": "fastspawn._launch.api",
+    "start_processes": "fastspawn._launch.api",
+    "ProcessException": "fastspawn._launch.errors",
+    "ProcessExitedException": "fastspawn._launch.errors",
+    "ProcessRaisedException": "fastspawn._launch.errors",
+    "preload": "fastspawn._launch.methods.helpers",
+    "stop_zygote": "fastspawn._launch.methods.helpers",
+    "Process": "fastspawn._launch.process",
+    "patch_torch": "fastspawn._torch.patch",
+    "unpatch_torch": "fastspawn._torch.patch",
 }
-_RENAMED = {"stop_zygote": "stop_server"}
 
 __all__ = [
     "ENV_VAR_PARALLEL_START",
@@ -58,7 +57,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'fastspawn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), _RENAMED.get(name, name))
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -68,19 +67,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from fastspawn._context import (
-        ENV_VAR_PARALLEL_START,
-        ProcessContext,
-        spawn,
-        start_processes,
-    )
-    from fastspawn._errors import (
+    from fastspawn._launch.api import ENV_VAR_PARALLEL_START, spawn, start_processes
+    from fastspawn._launch.context import ProcessContext
+    from fastspawn._launch.errors import (
         ProcessException,
         ProcessExitedException,
         ProcessRaisedException,
     )
-    from fastspawn._process import Process
-    from fastspawn._spawn_context import SpawnContext
-    from fastspawn._torch import patch_torch, unpatch_torch
-    from fastspawn._zygote_client import preload
-    from fastspawn._zygote_client import stop_server as stop_zygote
+    from fastspawn._launch.methods.helpers import preload, stop_zygote
+    from fastspawn._launch.process import Process
+    from fastspawn._torch.patch import patch_torch, unpatch_torch
+    from fastspawn._torch.spawn_context import SpawnContext

@@ -146,9 +146,10 @@ def _say(folder: str, event: dict[str, Any]) -> None:
 
 
 def _helpers() -> list[int]:
-    from fastspawn import _warden_client, _zygote_client
+    from fastspawn._warden import client as _warden_client
+    from fastspawn._zygote import client
 
-    return sorted(_zygote_client.helper_processes()[0] | _warden_client.warden_process()[0])
+    return sorted(client.helper_processes()[0] | _warden_client.warden_process()[0])
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from fastspawn import _warden_client, _zygote_client
+from fastspawn._warden import client as _warden_client
+from fastspawn._zygote import client
 
 START_METHODS = ["zygote", "fork", "spawn", "forkserver"]
 PATIENCE = 5.0  # seconds a test's processes get to go away by themselves
@@ -33,7 +34,7 @@ def _fds() -> dict[int, str]:
 
 
 def _helpers() -> tuple[set[int], set[int]]:
-    pids, fds = _zygote_client.helper_processes()
+    pids, fds = client.helper_processes()
     warden_pids, warden_fds = _warden_client.warden_process()
     pids |= warden_pids
     fds |= warden_fds

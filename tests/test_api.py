@@ -228,7 +228,7 @@ def test_spawn_default_is_zygote():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ctx = fastspawn.spawn(workers.pid_and_ppid, nprocs=2)
-    zygote = fastspawn._zygote_client.zygote_pid()
+    zygote = fastspawn._zygote.client.zygote_pid()
     assert {ppid for _pid, ppid in ctx.return_values.values()} == {zygote}
 
 

@@ -19,7 +19,14 @@ import psutil
 import pytest
 
 import fastspawn
-from fastspawn import _bench
+from fastspawn._bench import common, host, main
+from fastspawn._bench import floor as bench_floor
+from fastspawn._bench import methods as bench_methods
+from fastspawn._bench import options as bench_options
+from fastspawn._bench import ranks as bench_ranks
+from fastspawn._bench import rounds as bench_rounds
+from fastspawn._bench import session as bench_session
+from fastspawn._bench import summary as bench_summary
 
 # Cheap methods for the CLI runs: no torch, nothing that needs a cold start.
 CHEAP = [
@@ -91,7 +98,7 @@ def shadowing(tmp_path: Path, module: str) -> dict[str, str]:
 
 # ---------------------------------------------------------- JSON schema
 
-SCHEMA = _bench.load_schema()
+SCHEMA = main.load_schema()
 
 
 def validate(value: Any, schema: dict[str, Any] = SCHEMA) -> list[str]:
@@ -106,18 +113,18 @@ def validate(value: Any, schema: dict[str, Any] = SCHEMA) -> list[str]:
 def test_the_shipped_schema_is_valid_and_matches_the_code():
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
     props = SCHEMA["properties"]
-    assert props["schema"]["enum"] == [_bench.SCHEMA_ID]
+    assert props["schema"]["enum"] == [common.SCHEMA_ID]
     for part in ("rounds", "summary"):
-        assert props[part]["items"]["properties"]["method"]["enum"] == list(_bench.ALL_METHODS)
-    assert props["config"]["properties"]["methods"]["items"]["enum"] == list(_bench.ALL_METHODS)
-    assert props["summary"]["items"]["properties"]["phase"]["enum"] == list(_bench.PHASES)
-    record = _bench.new_record("mp-fork", 2, 0, "launch")
+        assert props[part]["items"]["properties"]["method"]["enum"] == list(common.ALL_METHODS)
+    assert props["config"]["properties"]["methods"]["items"]["enum"] == list(common.ALL_METHODS)
+    assert props["summary"]["items"]["properties"]["phase"]["enum"] == list(bench_rounds.PHASES)
+    record = bench_rounds.new_record("mp-fork", 2, 0, "launch")
     assert set(props["rounds"]["items"]["required"]) == set(record)
 
 
 def test_the_schema_rejects_what_it_should():
     schema = SCHEMA["properties"]["rounds"]["items"]
-    good = _bench.new_record("mp-fork", 2, 0, "launch")
+    good = bench_rounds.new_record("mp-fork", 2, 0, "launch")
     assert validate(good, schema) == []
     assert validate({**good, "method": "mp-vfork"}, schema)
     assert validate({**good, "nprocs": 0}, schema)
@@ -262,14 +269,17 @@ def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_pa
 _SIZED_CHECK = """
 import subprocess, sys
 import fastspawn
-from fastspawn import _bench
+import fastspawn._bench.ranks  # what unpickling a bench rank's fn imports in the zygote
 
 def modules(rank):
     return sorted(sys.modules)
 
 if __name__ == "__main__":
+    # Here, not at the top: the zygote imports this module, and a bench's
+    # zygote holds none of the bench's own modules (see _BareMain).
+    from fastspawn._bench import floor as bench_floor
     rank = set(fastspawn.start_processes(modules, nprocs=1).return_values[0])
-    code = _bench._SIZED_PREFIX + "import sys; print(' '.join(sorted(sys.modules)))"
+    code = bench_floor._SIZED_PREFIX + "import sys; print(' '.join(sorted(sys.modules)))"
     sized = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     helper = set(sized.stdout.split())
     print(sorted(helper - rank), sorted(rank - helper))
@@ -294,7 +304,7 @@ def test_help_is_clear():
     words = ["all running", "failure->reaped", "USS", "--import", "--payload-bytes", "--json"]
     words += ["--plot", "matplotlib", "RLIMIT_NPROC", "Exit status", "130", "vs floor"]
     words += ["os.fork()", "python -I -S"]
-    for word in [*_bench.ALL_METHODS, *words]:
+    for word in [*common.ALL_METHODS, *words]:
         assert word in done.stdout, word
 
 
@@ -302,7 +312,7 @@ def test_unknown_method_lists_the_valid_ones():
     done = bench("--methods", "mp-spawn,mp-vfork")
     assert done.returncode == 2
     assert "'mp-vfork'" in done.stderr
-    for method in _bench.ALL_METHODS:
+    for method in common.ALL_METHODS:
         assert method in done.stderr
     assert done.stdout == ""
 
@@ -378,7 +388,7 @@ def test_limit_problem_names_the_limit():
             nproc_limit=1000, tasks_in_use=100, nofile_limit=1024, fds_open=10, report_ranks=50000
         )
         limits.update(kw)
-        return _bench.limit_problem(nprocs, 2, **limits)
+        return host.limit_problem(nprocs, 2, **limits)
 
     assert problem() is None
     assert "RLIMIT_NPROC" in problem(nprocs=950)
@@ -392,7 +402,7 @@ def test_limit_problem_names_the_limit():
 
 
 def test_methods_take_names_and_groups_in_a_fixed_order():
-    methods, notes = _bench.parse_methods("binary,mp-spawn,fastspawn-fork", None)
+    methods, notes = bench_options.parse_methods("binary,mp-spawn,fastspawn-fork", None)
     assert methods == [
         "fastspawn-fork",
         "mp-spawn",
@@ -401,43 +411,43 @@ def test_methods_take_names_and_groups_in_a_fixed_order():
         "binary-popen-pdeathsig",
     ]
     assert notes == []
-    everything, notes = _bench.parse_methods("all", "torch is not installed")
-    assert "torch-spawn" not in everything and len(everything) == len(_bench.ALL_METHODS) - 1
+    everything, notes = bench_options.parse_methods("all", "torch is not installed")
+    assert "torch-spawn" not in everything and len(everything) == len(common.ALL_METHODS) - 1
     assert notes == ["torch-spawn left out: torch is not installed"]
-    with pytest.raises(_bench.UsageError, match="torch-spawn needs torch"):
-        _bench.parse_methods("torch", "torch is not installed")
-    with pytest.raises(_bench.UsageError, match="valid: fastspawn-zygote-warm"):
-        _bench.parse_methods("spawn", None)
+    with pytest.raises(common.UsageError, match="torch-spawn needs torch"):
+        bench_options.parse_methods("torch", "torch is not installed")
+    with pytest.raises(common.UsageError, match="valid: fastspawn-zygote-warm"):
+        bench_options.parse_methods("spawn", None)
 
 
 def test_sizes_and_nprocs_parse():
-    assert _bench.parse_size("4096") == 4096
-    assert _bench.parse_size("64K") == 65536
-    assert _bench.parse_size("1MiB") == 1 << 20
-    assert _bench.parse_nprocs("64,1,8,8") == [1, 8, 64]
+    assert bench_options.parse_size("4096") == 4096
+    assert bench_options.parse_size("64K") == 65536
+    assert bench_options.parse_size("1MiB") == 1 << 20
+    assert bench_options.parse_nprocs("64,1,8,8") == [1, 8, 64]
     for bad in ("0", "1,,x", ""):
-        with pytest.raises(_bench.UsageError):
-            _bench.parse_nprocs(bad)
-    with pytest.raises(_bench.UsageError):
-        _bench.parse_size("lots")
+        with pytest.raises(common.UsageError):
+            bench_options.parse_nprocs(bad)
+    with pytest.raises(common.UsageError):
+        bench_options.parse_size("lots")
 
 
 def test_quantile_and_summary():
-    assert _bench.quantile([3.0], 0.9) == 3.0
-    assert _bench.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
-    assert _bench.quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
+    assert bench_summary.quantile([3.0], 0.9) == 3.0
+    assert bench_summary.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert bench_summary.quantile([0.0, 10.0], 0.9) == pytest.approx(9.0)
     records = []
     for method, running in (("mp-spawn", [0.2, 0.1, 0.3]), ("mp-fork", [0.03, 0.01, 0.02])):
         for round_no, value in enumerate(running):
-            record = _bench.new_record(method, 8, round_no, "launch")
+            record = bench_rounds.new_record(method, 8, round_no, "launch")
             record["running_s"] = value
             records.append(record)
-    summary = _bench.summarize(records, ["mp-spawn", "mp-fork"])
+    summary = bench_summary.summarize(records, ["mp-spawn", "mp-fork"])
     fork = next(s for s in summary if s["method"] == "mp-fork")
     assert fork["median"] == 0.02 and fork["min"] == 0.01
     assert fork["p90"] == pytest.approx(0.028)
     assert fork["ratio"] == pytest.approx(0.1) and fork["baseline"] == "mp-spawn"
-    table = _bench.format_table(
+    table = bench_summary.format_table(
         summary,
         ["mp-spawn", "mp-fork"],
         3,
@@ -447,13 +457,14 @@ def test_quantile_and_summary():
 
 
 def test_the_rank_module_imports_nothing_heavy():
-    # Spawn-like ranks import fastspawn._bench to find their fn: it must not
-    # make them pay for the bench's own imports.
+    # Spawn-like ranks import the module of their fn: it must not make them
+    # pay for the bench's own imports, nor for fastspawn's launching side.
+    assert bench_ranks.rank_main.__module__ == "fastspawn._bench.ranks"
     code = (
-        "import sys, fastspawn._bench; "
+        "import sys, fastspawn._bench.ranks; "
         "print(sorted({'argparse', 'json', 'dataclasses', 'psutil', 'tempfile', 'subprocess', "
-        "'fastspawn._launch', 'fastspawn._context', 'fastspawn._methods', 'multiprocessing'}"
-        " & set(sys.modules)))"
+        "'fastspawn._launch', 'fastspawn._bench.main', 'fastspawn._bench.session', "
+        "'fastspawn._bench.methods', 'multiprocessing'} & set(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -463,32 +474,34 @@ def test_the_rank_module_imports_nothing_heavy():
 def test_floor_ratio_and_its_column():
     records = []
     for method, running in (("floor", 0.001), ("mp-fork", 0.02), ("binary-popen", 0.004)):
-        record = _bench.new_record(method, 8, 0, "launch")
+        record = bench_rounds.new_record(method, 8, 0, "launch")
         record["running_s" if method != "binary-popen" else "reaped_s"] = running
         records.append(record)
     methods = ["mp-fork", "floor", "binary-popen"]
-    summary = _bench.summarize(records, methods)
+    summary = bench_summary.summarize(records, methods)
     ratios = {s["method"]: s["floor_ratio"] for s in summary}
     assert ratios["mp-fork"] == pytest.approx(20.0) and ratios["floor"] == 1.0
     assert ratios["binary-popen"] is None  # binaries are not compared with the floor
     machine = {"cpu": "X", "cores": 2, "usable_cores": 2, "kernel": "6", "python": "3"}
-    table = _bench.format_table(summary, methods, 1, {**machine, "fastspawn": "0"})
+    table = bench_summary.format_table(summary, methods, 1, {**machine, "fastspawn": "0"})
     header = next(line for line in table.splitlines() if line.startswith("method "))
     assert header.index("vs mp-spawn") < header.index("vs floor") < header.index("exit->joined")
     assert "20.0x" in table and "1.00x" in table
-    without = _bench.summarize(records[1:], methods)
-    assert "vs floor" not in _bench.format_table(without, methods, 1, {**machine, "fastspawn": "0"})
+    without = bench_summary.summarize(records[1:], methods)
+    assert "vs floor" not in bench_summary.format_table(
+        without, methods, 1, {**machine, "fastspawn": "0"}
+    )
 
 
 # ------------------------------------------------------------- the floor
 
 
 @pytest.fixture
-def floor(tmp_path: Path) -> Iterator[tuple[_bench.Method, _bench.Session]]:
+def floor(tmp_path: Path) -> Iterator[tuple[bench_methods.Method, bench_session.Session]]:
     """The floor method, set up in this process (its helper our child)."""
-    reports = _bench.Reports(str(tmp_path))
-    session = _bench.Session(reports, [], 0, "true", [])
-    method = _bench.make_method("floor")
+    reports = bench_session.Reports(str(tmp_path))
+    session = bench_session.Session(reports, [], 0, "true", [])
+    method = bench_rounds.make_method("floor")
     try:
         method.setup(session)
         yield method, session
@@ -500,13 +513,13 @@ def floor(tmp_path: Path) -> Iterator[tuple[_bench.Method, _bench.Session]]:
 
 
 def _floor_round(
-    floor: tuple[_bench.Method, _bench.Session], nprocs: int, fail_rank: int = -1
-) -> tuple[_bench.Launched, int, dict[int, float]]:
+    floor: tuple[bench_methods.Method, bench_session.Session], nprocs: int, fail_rank: int = -1
+) -> tuple[bench_session.Launched, int, dict[int, float]]:
     """Launch, and wait until every rank reported its entry."""
     method, session = floor
     spec = session.spec(fail_rank)
     launched = method.launch(nprocs, spec, session)
-    entered = session.reports.wait(spec[2], _bench.ENTERED, nprocs, launched)
+    entered = session.reports.wait(spec[2], bench_ranks.ENTERED, nprocs, launched)
     return launched, spec[2], entered
 
 
@@ -523,7 +536,7 @@ def test_floor_helper_is_a_small_interpreter_that_forks_the_ranks(floor):
     assert sorted(child.pid for child in helper.children()) == sorted(pids)
     launched.release(range(3))
     launched.join()
-    exits = session.reports.wait(round_id, _bench.EXITED, 3, None)
+    exits = session.reports.wait(round_id, bench_ranks.EXITED, 3, None)
     assert sorted(exits) == [0, 1, 2]
     assert helper.children() == []
     session.live.remove(launched)
@@ -535,7 +548,7 @@ def test_floor_kill_reaps_unreleased_ranks_and_the_helper_goes_on(floor):
     method, session = floor
     launched, _round_id, _entered = _floor_round(floor, 4)
     launched.kill()
-    assert isinstance(launched, _bench.FloorLaunched)
+    assert isinstance(launched, bench_floor.FloorLaunched)
     assert launched.codes == {rank: -signal.SIGKILL for rank in range(4)}
     helper = psutil.Process(method.helper_pids()[0])
     assert helper.children() == []
@@ -543,7 +556,7 @@ def test_floor_kill_reaps_unreleased_ranks_and_the_helper_goes_on(floor):
     again, round_id, _entered = _floor_round(floor, 1)
     again.release([0])
     again.join()
-    assert session.reports.wait(round_id, _bench.EXITED, 1, None).keys() == {0}
+    assert session.reports.wait(round_id, bench_ranks.EXITED, 1, None).keys() == {0}
     session.live.remove(again)
 
 
@@ -552,8 +565,8 @@ def test_floor_failure_round_kills_the_others(floor):
     launched, round_id, _entered = _floor_round(floor, 3, fail_rank=1)
     launched.release([1])
     launched.join_failure()
-    assert session.reports.wait(round_id, _bench.FAILED, 1, None).keys() == {1}
-    assert isinstance(launched, _bench.FloorLaunched)
+    assert session.reports.wait(round_id, bench_ranks.FAILED, 1, None).keys() == {1}
+    assert isinstance(launched, bench_floor.FloorLaunched)
     assert launched.codes == {0: -signal.SIGKILL, 1: 1, 2: -signal.SIGKILL}
     session.live.remove(launched)
 
@@ -573,7 +586,7 @@ def test_floor_ranks_exit_once_their_helper_is_gone(floor):
     launched, _round_id, _entered = _floor_round(floor, 2)
     ranks = [psutil.Process(pid) for pid in launched.pids()]
     os.kill(method.helper_pids()[0], signal.SIGKILL)  # not its ranks; teardown reaps it
-    with pytest.raises(_bench.BenchError, match="helper .* exited"):
+    with pytest.raises(common.BenchError, match="helper .* exited"):
         launched.join()
     _gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert alive == []  # orphans that nobody would release

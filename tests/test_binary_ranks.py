@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from fastspawn import _oscall, _zygote_client, elastic
+from fastspawn import elastic
+from fastspawn._os import oscall
+from fastspawn._zygote import client
 
 SHOW = (
     "umask; ulimit -Sn; ps -o ni= -p $$; "
@@ -24,7 +26,7 @@ def _run(process_state, argv=("/bin/sh", "sh", "-c", SHOW), **kwargs):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        pid, pidfd = _oscall.launch(
+        pid, pidfd = oscall.launch(
             argv[0],
             list(argv[1:]),
             dict(os.environ),
@@ -37,7 +39,7 @@ def _run(process_state, argv=("/bin/sh", "sh", "-c", SHOW), **kwargs):
         os.close(out_w)
         os.close(err_w)
     try:
-        status = _oscall.pidfd_wait(pidfd, nohang=False)
+        status = oscall.pidfd_wait(pidfd, nohang=False)
     finally:
         os.close(pidfd)
     with open(out_r) as out, open(err_r) as err:
@@ -87,7 +89,7 @@ def test_launch_resets_the_default_signals_and_sets_the_mask():
     grep = ("/bin/grep", "grep", "-E", "^(SigBlk|SigIgn):", "/proc/self/status")
     previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
-        with _oscall.held_signals():
+        with oscall.held_signals():
             status, lines, err = _run(
                 None, grep, default_signals=(signal.SIGUSR2,), signal_mask=(signal.SIGUSR1,)
             )
@@ -103,8 +105,8 @@ def test_launch_resets_the_default_signals_and_sets_the_mask():
 
 
 def test_elastic_binary_ranks_are_the_zygotes_children_with_the_callers_settings(tmp_path):
-    _zygote_client.get_server()  # started before the caller changes its settings
-    zygote = _zygote_client.zygote_pid()
+    client.get_server()  # started before the caller changes its settings
+    zygote = client.zygote_pid()
     old_umask = os.umask(0o077)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 300), hard))
@@ -184,13 +186,14 @@ def test_binary_rank_that_cannot_run_fails_the_launch_with_nothing_left(tmp_path
     code = f"""
 import os, sys
 from fastspawn import elastic
+from fastspawn.elastic import pcontext
 # Resolved (and found executable) before the start; made unrunnable after.
-real = elastic._resolve_binary
+real = pcontext.resolve_binary
 def resolve_then_break(name, env):
     path = real(name, env)
     os.chmod(path, 0o644)
     return path
-elastic._resolve_binary = resolve_then_break
+pcontext.resolve_binary = resolve_then_break
 try:
     elastic.start_processes("bin", {str(script)!r}, {{0: (), 1: ()}}, {{0: {{}}, 1: {{}}}},
                             log_dir={str(log_dir)!r})

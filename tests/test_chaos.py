@@ -51,6 +51,8 @@ from typing import Any
 import psutil
 import pytest
 
+from fastspawn._warden import main as warden_main
+
 TESTS = Path(__file__).resolve().parent
 DRIVER = TESTS / "chaos_driver.py"
 
@@ -216,7 +218,7 @@ def find_helper(driver: int, target: str) -> psutil.Process | None:
         return None
     for child in children:
         line = _cmdline(child)
-        if target == "warden" and "_warden.py" in line:
+        if target == "warden" and warden_main.__file__ in line:
             return child
         if target in ("guard", "zygote") and "fastspawn._zygote" in line:
             if target == "guard":

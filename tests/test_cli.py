@@ -18,7 +18,9 @@ import time
 import pytest
 from helpers import gone
 
-from fastspawn import _cli, elastic
+from fastspawn import elastic
+from fastspawn._cli import main as cli_main
+from fastspawn._cli import options, restart, topology
 
 ENV_NAMES = [
     "RANK",
@@ -174,8 +176,8 @@ def test_node_rank_out_of_range_is_a_usage_error():
     # From a Slurm step's variables, it says which ones.
     args = argparse.Namespace(nnodes=None, node_rank=None, master_addr="a", master_port=1)
     env = {"SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "3"}
-    with pytest.raises(_cli.UsageError, match="^SLURM_NODEID 3 is not below SLURM_NNODES 2$"):
-        _cli.topology(args, env)
+    with pytest.raises(options.UsageError, match="^SLURM_NODEID 3 is not below SLURM_NNODES 2$"):
+        topology.topology(args, env)
 
 
 def test_restarts(tmp_path):
@@ -257,20 +259,20 @@ def test_interrupt_stops_every_rank(tmp_path, sig):
 
 
 def test_slurm_node_list():
-    assert _cli.first_slurm_host("node[03-05,07],gpu1") == "node03"
-    assert _cli.first_slurm_host("gpu1,gpu2") == "gpu1"
-    assert _cli.first_slurm_host("host") == "host"
+    assert topology.first_slurm_host("node[03-05,07],gpu1") == "node03"
+    assert topology.first_slurm_host("gpu1,gpu2") == "gpu1"
+    assert topology.first_slurm_host("host") == "host"
 
 
 def test_slurm_node_list_odd_names():
-    assert _cli.first_slurm_host("rack1-n[7-8]-ib") == "rack1-n7-ib"
-    assert _cli.first_slurm_host("rack1-n[7-8]-ib,gpu[1-2]") == "rack1-n7-ib"
-    assert _cli.first_slurm_host("r[1-2]n[05-06]") == "r1n05"
-    assert _cli.first_slurm_host("[a]") == "a"
-    assert _cli.first_slurm_host(" cn[010,012] ") == "cn010"
+    assert topology.first_slurm_host("rack1-n[7-8]-ib") == "rack1-n7-ib"
+    assert topology.first_slurm_host("rack1-n[7-8]-ib,gpu[1-2]") == "rack1-n7-ib"
+    assert topology.first_slurm_host("r[1-2]n[05-06]") == "r1n05"
+    assert topology.first_slurm_host("[a]") == "a"
+    assert topology.first_slurm_host(" cn[010,012] ") == "cn010"
     for bad in ["", "a[1-2", "a]", ",b"]:
         with pytest.raises(ValueError, match="Slurm node list"):
-            _cli.first_slurm_host(bad)
+            topology.first_slurm_host(bad)
 
 
 def test_topology_from_slurm():
@@ -281,9 +283,9 @@ def test_topology_from_slurm():
         "SLURM_NODEID": "2",
         "SLURM_JOB_NODELIST": "cn[10-13]",
     }
-    assert _cli.topology(args, env) == (4, 2, "cn10", 29500)
+    assert topology.topology(args, env) == (4, 2, "cn10", 29500)
     args = argparse.Namespace(nnodes=2, node_rank=1, master_addr="a", master_port=1234)
-    assert _cli.topology(args, env) == (2, 1, "a", 1234)
+    assert topology.topology(args, env) == (2, 1, "a", 1234)
 
 
 def test_two_nodes_form_one_gloo_group(tmp_path):
@@ -301,7 +303,7 @@ def test_two_nodes_form_one_gloo_group(tmp_path):
         dist.destroy_process_group()
     """,
     )
-    port = str(_cli.free_port())
+    port = str(topology.free_port())
     common = [
         "--nnodes",
         "2",
@@ -391,13 +393,13 @@ def test_topology_uses_the_steps_first_host():
         "SLURM_NODELIST": "cn[10-13]",
         "SLURM_STEP_NODELIST": "cn[12-13]",
     }
-    assert _cli.topology(args, env) == (2, 1, "cn12", 29500)
+    assert topology.topology(args, env) == (2, 1, "cn12", 29500)
     del env["SLURM_STEP_NODELIST"]
     env["SLURM_NODELIST"] = "cn[11-12]"
-    assert _cli.topology(args, env)[2] == "cn11"
+    assert topology.topology(args, env)[2] == "cn11"
     env["SLURM_NODELIST"] = "cn[11"
     with pytest.raises(SystemExit, match="Slurm node list 'cn\\[11'.*--master-addr"):
-        _cli.topology(args, env)
+        topology.topology(args, env)
 
 
 def test_topology_ignores_slurm_outside_a_step():
@@ -405,7 +407,7 @@ def test_topology_ignores_slurm_outside_a_step():
     args = argparse.Namespace(nnodes=None, node_rank=None, master_addr=None, master_port=None)
     env = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "4", "SLURM_NODEID": "0"}
     env["SLURM_JOB_NODELIST"] = env["SLURM_NODELIST"] = "cn[10-13]"
-    nnodes, node_rank, addr, port = _cli.topology(args, env)
+    nnodes, node_rank, addr, port = topology.topology(args, env)
     assert (nnodes, node_rank, addr) == (1, 0, "127.0.0.1") and port > 0
     assert "SLURM_STEP_ID" in fastspawn_run("--help").stdout
 
@@ -415,7 +417,7 @@ def test_master_port_must_be_a_port():
         done = fastspawn_run("--nprocs-per-node", "1", "--master-port", bad, "/bin/true")
         assert done.returncode == 2, (bad, done.stderr)
         assert "--master-port: must be a TCP port, 1 to 65535" in done.stderr
-    parser = _cli.build_parser()
+    parser = cli_main.build_parser()
     for good in [1, 65535]:
         args = parser.parse_args(["run", "--nprocs-per-node", "1", "--master-port", str(good), "x"])
         assert args.master_port == good
@@ -464,7 +466,7 @@ def test_summary_stays_one_line(tmp_path):
     message = "Traceback (most recent call last):\n  File x\nValueError: boom\n"
     error_file.write_text(json.dumps({"message": message}))
     failure = elastic.ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(error_file))
-    line = _cli.describe(failure, 5)
+    line = restart.describe(failure, 5)
     assert "\n" not in line
     assert line == (
         "fastspawn run: rank 5 (local rank 1, pid 123) failed with exit code 1: "
@@ -473,7 +475,7 @@ def test_summary_stays_one_line(tmp_path):
     killed = elastic.ProcessFailure(
         local_rank=0, pid=9, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none")
     )
-    assert _cli.describe(killed, 0) == (
+    assert restart.describe(killed, 0) == (
         "fastspawn run: rank 0 (local rank 0, pid 9) was killed by signal SIGKILL"
     )
 
@@ -538,7 +540,7 @@ def test_signal_between_two_attempts_stops_cleanly(monkeypatch, capsys):
     # The signal lands after the failed attempt's ranks were closed and
     # before the next attempt starts (stood in for by rank_envs raising what
     # the handler would): exit 128+signal with a line, not a traceback.
-    real = _cli.rank_envs
+    real = topology.rank_envs
     calls = []
 
     def envs_then_signal(*args, **kwargs):
@@ -547,8 +549,8 @@ def test_signal_between_two_attempts_stops_cleanly(monkeypatch, capsys):
             raise elastic.SignalException("got signal", sigval=signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_cli, "rank_envs", envs_then_signal)
-    code = _cli.main(["run", "--nprocs-per-node", "1", "--max-restarts", "1", "/bin/false"])
+    monkeypatch.setattr(topology, "rank_envs", envs_then_signal)
+    code = cli_main.main(["run", "--nprocs-per-node", "1", "--max-restarts", "1", "/bin/false"])
     assert code == 128 + signal.SIGTERM
     assert "got SIGTERM, stopping" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""The C core through fastspawn._oscall: errno-honest, EINTR visible."""
+"""The C core through fastspawn._os.oscall: errno-honest, EINTR visible."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import time
 import psutil
 import pytest
 
-from fastspawn import _oscall
+from fastspawn._os import oscall
 
 
 def test_waiter_returns_every_ready_entry_at_once():
-    waiter = _oscall.Waiter()
+    waiter = oscall.Waiter()
     pipes = [os.pipe() for _ in range(200)]
     try:
         for token, (r, _w) in enumerate(pipes):
@@ -44,7 +44,7 @@ def test_waiter_returns_every_ready_entry_at_once():
 
 
 def test_waiter_wait_returns_eintr():
-    waiter = _oscall.Waiter()
+    waiter = oscall.Waiter()
     r, w = os.pipe()
     waiter.add(r, 7)
     old = signal.signal(signal.SIGALRM, lambda signum, frame: None)
@@ -65,15 +65,15 @@ def test_pidfd_wait_and_signal():
     if pid == 0:
         time.sleep(30)
         os._exit(0)
-    pidfd = _oscall.pidfd_open(pid)
+    pidfd = oscall.pidfd_open(pid)
     try:
-        assert _oscall.pidfd_wait(pidfd, nohang=True) is None
-        _oscall.pidfd_send_signal(pidfd, signal.SIGTERM)
-        assert _oscall.pidfd_wait(pidfd, nohang=False) == -signal.SIGTERM
+        assert oscall.pidfd_wait(pidfd, nohang=True) is None
+        oscall.pidfd_send_signal(pidfd, signal.SIGTERM)
+        assert oscall.pidfd_wait(pidfd, nohang=False) == -signal.SIGTERM
         with pytest.raises(ProcessLookupError, match="from pidfd_send_signal"):
-            _oscall.pidfd_send_signal(pidfd, signal.SIGTERM)  # reaped: never a reused pid
+            oscall.pidfd_send_signal(pidfd, signal.SIGTERM)  # reaped: never a reused pid
         with pytest.raises(ChildProcessError):
-            _oscall.pidfd_wait(pidfd, nohang=False)
+            oscall.pidfd_wait(pidfd, nohang=False)
     finally:
         os.close(pidfd)
 
@@ -82,18 +82,18 @@ def test_pidfd_wait_exit_code():
     pid = os.fork()
     if pid == 0:
         os._exit(138)
-    pidfd = _oscall.pidfd_open(pid)
+    pidfd = oscall.pidfd_open(pid)
     try:
-        assert _oscall.pidfd_wait(pidfd, nohang=False) == 138
+        assert oscall.pidfd_wait(pidfd, nohang=False) == 138
     finally:
         os.close(pidfd)
 
 
 def test_pidfd_wait_not_our_child_is_echild():
-    pidfd = _oscall.pidfd_open(os.getppid())
+    pidfd = oscall.pidfd_open(os.getppid())
     try:
         with pytest.raises(ChildProcessError) as info:
-            _oscall.pidfd_wait(pidfd, nohang=True)
+            oscall.pidfd_wait(pidfd, nohang=True)
         assert info.value.errno == errno.ECHILD
     finally:
         os.close(pidfd)
@@ -101,12 +101,12 @@ def test_pidfd_wait_not_our_child_is_echild():
 
 def test_pidfd_open_missing_pid():
     with pytest.raises(ProcessLookupError, match="from pidfd_open"):
-        _oscall.pidfd_open(2**22 + 12345)  # above any pid_max
+        oscall.pidfd_open(2**22 + 12345)  # above any pid_max
 
 
 def test_launch_missing_binary():
     with pytest.raises(FileNotFoundError) as info:
-        _oscall.launch("/nonexistent/fastspawn-binary", ["x"], {})
+        oscall.launch("/nonexistent/fastspawn-binary", ["x"], {})
     assert info.value.filename == "/nonexistent/fastspawn-binary"
     assert "/nonexistent/fastspawn-binary" in str(info.value)
 
@@ -115,13 +115,13 @@ def test_launch_not_executable():
     with tempfile.NamedTemporaryFile(suffix=".sh") as script:
         os.chmod(script.name, stat.S_IRUSR | stat.S_IWUSR)
         with pytest.raises(PermissionError) as info:
-            _oscall.launch(script.name, [script.name], {})
+            oscall.launch(script.name, [script.name], {})
         assert info.value.filename == script.name
 
 
 def test_launch_bad_cwd():
     with pytest.raises(FileNotFoundError):
-        _oscall.launch("/bin/true", ["true"], {}, cwd="/nonexistent/dir")
+        oscall.launch("/bin/true", ["true"], {}, cwd="/nonexistent/dir")
 
 
 def _output_of(path, argv, env, **kwargs):
@@ -129,11 +129,11 @@ def _output_of(path, argv, env, **kwargs):
     it must exit 0."""
     out_r, out_w = os.pipe()
     try:
-        pid, pidfd = _oscall.launch(path, argv, env, stdout=out_w, **kwargs)
+        pid, pidfd = oscall.launch(path, argv, env, stdout=out_w, **kwargs)
         os.close(out_w)
         out_w = -1
         try:
-            assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
+            assert oscall.pidfd_wait(pidfd, nohang=False) == 0
         finally:
             os.close(pidfd)
         output = b""
@@ -181,7 +181,7 @@ def _environment_of(env, **kwargs):
 
 
 def test_launch_environ_shared_by_launches_with_their_own_variables():
-    base = _oscall.Environ({"A": "1", "B": "2", "C": "3"})
+    base = oscall.Environ({"A": "1", "B": "2", "C": "3"})
     # Each launch: the base updated with its own, in {**base, **extra}'s order.
     assert _environment_of(base, env_extra={"B": "two", "D": "4"}) == ["A=1", "B=two", "C=3", "D=4"]
     assert _environment_of(base, env_extra={"RANK": "1"}) == ["A=1", "B=2", "C=3", "RANK=1"]
@@ -192,13 +192,13 @@ def test_launch_environ_shared_by_launches_with_their_own_variables():
 
 
 def test_launch_new_session():
-    pid, pidfd = _oscall.launch("/bin/sleep", ["sleep", "30"], {}, new_session=True)
+    pid, pidfd = oscall.launch("/bin/sleep", ["sleep", "30"], {}, new_session=True)
     try:
         assert os.getsid(pid) == pid
         assert os.getpgid(pid) == pid
     finally:
-        _oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
-        assert _oscall.pidfd_wait(pidfd, nohang=False) == -signal.SIGKILL
+        oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
+        assert oscall.pidfd_wait(pidfd, nohang=False) == -signal.SIGKILL
         os.close(pidfd)
 
 
@@ -210,8 +210,8 @@ def test_launched_binary_dies_with_its_parent():
             textwrap.dedent(
                 """
                 import signal, time
-                from fastspawn import _oscall
-                pid, _ = _oscall.launch("/bin/sleep", ["sleep", "600"], {},
+                from fastspawn._os import oscall
+                pid, _ = oscall.launch("/bin/sleep", ["sleep", "600"], {},
                                         pdeathsig=signal.SIGKILL)
                 print(pid, flush=True)
                 time.sleep(600)
@@ -243,21 +243,21 @@ def test_launched_binary_dies_with_its_parent():
 def test_collapse_hugepages_reports_errno():
     # Nothing mapped at address 0: ENOMEM; not page-aligned: EINVAL.
     with pytest.raises(OSError) as info:
-        _oscall.collapse_hugepages(0, 2 << 20)
+        oscall.collapse_hugepages(0, 2 << 20)
     assert info.value.errno == errno.ENOMEM
     assert "MADV_COLLAPSE" in str(info.value)
     with pytest.raises(OSError) as info:
-        _oscall.collapse_hugepages(1, 2 << 20)
+        oscall.collapse_hugepages(1, 2 << 20)
     assert info.value.errno == errno.EINVAL
 
 
 def test_collapsible_ranges_are_aligned_private_anonymous_memory():
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
     with open("/proc/self/maps") as f:
         maps = [line.split() for line in f]
     vmas = [(tuple(int(x, 16) for x in m[0].split("-")), m[1], m[5:]) for m in maps]
-    starts = _hugepages.collapsible_ranges()
+    starts = hugepages.collapsible_ranges()
     assert starts, "a Python process always has a heap or arenas of 2 MiB"
     for start in starts:
         assert start % (2 << 20) == 0
@@ -280,8 +280,8 @@ def test_old_kernel_gets_a_clear_error_before_anything_starts(monkeypatch, missi
     def unsupported(*args, **kwargs):
         raise OSError(errno_, os.strerror(errno_))
 
-    monkeypatch.setattr(_oscall, missing, unsupported)
-    monkeypatch.setattr(_oscall, "_pidfds_checked", False)
+    monkeypatch.setattr(oscall, missing, unsupported)
+    monkeypatch.setattr(oscall, "_pidfds_checked", False)
     for method in ("zygote", "spawn", "fork"):
         with pytest.raises(OSError, match=r"needs Linux 5\.4 or newer") as info:
             fastspawn.start_processes(workers.succeed, nprocs=2, start_method=method)
@@ -300,21 +300,21 @@ def test_old_kernel_gets_a_clear_error_before_anything_starts(monkeypatch, missi
     ],
 )
 def test_madv_collapse_needs_linux_6_1(monkeypatch, release, expected):
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
     real = os.uname()
     fake = os.uname_result((real.sysname, real.nodename, release, real.version, real.machine))
     monkeypatch.setattr(os, "uname", lambda: fake)
-    assert _hugepages.kernel_has_collapse() is expected
+    assert hugepages.kernel_has_collapse() is expected
 
 
 def test_collapse_skips_untouched_memory_and_collapses_touched():
     import ctypes
     import mmap
 
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
-    if not _hugepages.wanted():
+    if not hugepages.wanted():
         pytest.skip("no MADV_COLLAPSE or no transparent huge pages here")
     huge = 2 << 20
     area = mmap.mmap(-1, 4 * huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -323,22 +323,22 @@ def test_collapse_skips_untouched_memory_and_collapses_touched():
         first = -(-base // huge) * huge  # two whole aligned stretches follow
         offset = first - base
         area[offset : offset + huge] = b"x" * huge  # the first one written
-        assert _hugepages.collapse(first)
-        assert not _hugepages.collapse(first + huge)  # nothing there yet: EINVAL
+        assert hugepages.collapse(first)
+        assert not hugepages.collapse(first + huge)  # nothing there yet: EINVAL
     finally:
         area.close()
 
 
 ARENA_CHECK = """
 import errno, gc
-from fastspawn import _hugepages
-from fastspawn._core import ffi, lib
+from fastspawn._os import hugepages
+from fastspawn._os._core import ffi, lib
 
 for bad in (0, 1 << 20, 2 << 30):  # not whole 2 MiB, or over 1 GiB
     assert lib.fs_arena_place(bad) == -1 and ffi.errno == errno.EINVAL, bad
-assert _hugepages.arena_region() == (0, 0, 0)
+assert hugepages.arena_region() == (0, 0, 0)
 assert lib.fs_arena_place(8 << 20) == 0
-base, size, used = _hugepages.arena_region()
+base, size, used = hugepages.arena_region()
 assert base % (2 << 20) == 0 and size == 8 << 20 and used == 0, (base, size, used)
 assert lib.fs_arena_place(8 << 20) == -1 and ffi.errno == errno.EBUSY
 
@@ -346,16 +346,16 @@ def inside(objects):
     return sum(base <= id(o) < base + size for o in objects)
 
 first = [[] for _ in range(60_000)]  # about 3.5 MB of small objects
-used_first = _hugepages.arena_region()[2]
+used_first = hugepages.arena_region()[2]
 assert used_first > 0 and inside(first) > 40_000, (used_first, inside(first))
 del first
 gc.collect()  # their arenas are freed: their slots come back
 second = [[] for _ in range(60_000)]
-assert _hugepages.arena_region()[2] == used_first, "freed slots were not reused"
+assert hugepages.arena_region()[2] == used_first, "freed slots were not reused"
 assert inside(second) > 40_000
 beyond = [[] for _ in range(400_000)]  # more than the region holds
 assert len(beyond) - inside(beyond) > 200_000  # the rest went elsewhere
-assert _hugepages.arena_region()[2] == 8 << 20
+assert hugepages.arena_region()[2] == 8 << 20
 """
 
 
@@ -381,12 +381,12 @@ def test_arenas_stay_where_they_are_when_opted_out_capped_or_without_pymalloc(en
     code = textwrap.dedent(
         f"""
         import resource
-        from fastspawn import _hugepages
+        from fastspawn._os import hugepages
         if {limit!r}:
             resource.setrlimit(resource.RLIMIT_AS, ({limit!r}, {limit!r}))
-            assert _hugepages.address_space_limited()
-        assert not _hugepages.place_arenas()
-        assert _hugepages.arena_region() == (0, 0, 0)
+            assert hugepages.address_space_limited()
+        assert not hugepages.place_arenas()
+        assert hugepages.arena_region() == (0, 0, 0)
         """
     )
     done = subprocess.run(
@@ -399,9 +399,9 @@ def test_address_space_is_unlimited_here():
     import resource
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
-    assert _hugepages.address_space_limited() is (soft != resource.RLIM_INFINITY)
+    assert hugepages.address_space_limited() is (soft != resource.RLIM_INFINITY)
 
 
 @pytest.mark.parametrize(
@@ -416,14 +416,14 @@ def test_address_space_is_unlimited_here():
     ],
 )
 def test_pymalloc_in_use(monkeypatch, abiflags, pythonmalloc, expected):
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
     monkeypatch.setattr(sys, "abiflags", abiflags, raising=False)
     if pythonmalloc is None:
         monkeypatch.delenv("PYTHONMALLOC", raising=False)
     else:
         monkeypatch.setenv("PYTHONMALLOC", pythonmalloc)
-    assert _hugepages.pymalloc_in_use() is expected
+    assert hugepages.pymalloc_in_use() is expected
 
 
 def test_same_file_tells_one_description_from_another(tmp_path):
@@ -432,16 +432,16 @@ def test_same_file_tells_one_description_from_another(tmp_path):
     b = os.dup(a)
     c = os.open(path, os.O_WRONLY)
     try:
-        if _oscall.same_file(a, b) is None:
+        if oscall.same_file(a, b) is None:
             pytest.skip("kcmp is not available here")
-        assert _oscall.same_file(a, b) is True
-        assert _oscall.same_file(a, c) is False
+        assert oscall.same_file(a, b) is True
+        assert oscall.same_file(a, c) is False
     finally:
         for fd in (a, b, c):
             os.close(fd)
 
 
-def _fork_loop_report(loop: _oscall.ForkLoop, out: int) -> None:
+def _fork_loop_report(loop: oscall.ForkLoop, out: int) -> None:
     """In a rank of a test's ForkLoop: report its rank, group, pdeathsig,
     whether SIGUSR2 is blocked and how its set-up went; then exit."""
     import ctypes
@@ -458,13 +458,13 @@ def _fork_loop_report(loop: _oscall.ForkLoop, out: int) -> None:
         os._exit(0)
 
 
-def _fork_loop_run(nprocs: int, parent: int, group: int) -> tuple[list[str], _oscall.ForkLoop]:
+def _fork_loop_run(nprocs: int, parent: int, group: int) -> tuple[list[str], oscall.ForkLoop]:
     """Fork ``nprocs`` ranks with ForkLoop, SIGUSR2 blocked here and to be
     unblocked in them; reap them; their reports, one line each."""
     r, w = os.pipe()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     try:
-        loop = _oscall.ForkLoop(nprocs, parent, group, signal.SIGKILL, {signal.SIGUSR2})
+        loop = oscall.ForkLoop(nprocs, parent, group, signal.SIGKILL, {signal.SIGUSR2})
         if loop.fork() != -1:  # a rank: -2 if its set-up failed
             _fork_loop_report(loop, w)
     finally:
@@ -477,11 +477,11 @@ def _fork_loop_run(nprocs: int, parent: int, group: int) -> tuple[list[str], _os
 
 
 def test_fork_loop_sets_each_rank_up_and_reports_every_pid():
-    group = _oscall.group_anchor()
+    group = oscall.group_anchor()
     try:
         lines, loop = _fork_loop_run(3, os.getpid(), group)
     finally:
-        _oscall.release_group_anchor(group)
+        oscall.release_group_anchor(group)
     assert loop.failure() == (0, None)
     assert loop.next == 3 and len(set(loop.pids)) == 3
     assert lines == [f"{rank} {group} {int(signal.SIGKILL)} False 0 NoneType" for rank in range(3)]
@@ -490,7 +490,7 @@ def test_fork_loop_sets_each_rank_up_and_reports_every_pid():
 def test_fork_loop_rank_whose_parent_is_not_the_one_expected_learns_it():
     # The race check of PR_SET_PDEATHSIG: a rank whose parent is not the
     # pid given (here, never was) gets ESRCH, and keeps its signals blocked.
-    from fastspawn._core import lib
+    from fastspawn._os._core import lib
 
     lines, loop = _fork_loop_run(1, 1, 0)
     assert loop.failure() == (0, None)  # the parent's own part went well

@@ -24,8 +24,9 @@ import workers
 from helpers import TWELVE_CPUS_GPUS, fake_sysfs, gone, twelve_cpus
 
 import fastspawn
-from fastspawn import _numa, elastic
-from fastspawn._methods import registry
+from fastspawn import elastic
+from fastspawn._launch.methods import registry
+from fastspawn._os import numa
 from fastspawn.elastic import Std
 
 # ----------------------------------------------- 1. start_method=None
@@ -146,7 +147,7 @@ def test_spawn_start_method_none_is_the_default_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ctx = fastspawn.spawn(workers.pid_and_ppid, nprocs=2, start_method=None)
-    zygote = fastspawn._zygote_client.zygote_pid()
+    zygote = fastspawn._zygote.client.zygote_pid()
     assert {ppid for _pid, ppid in ctx.return_values.values()} == {zygote}
 
 
@@ -463,7 +464,7 @@ def test_spawn_context_reads_no_planted_error_file(mp_processes, tmp_path, caplo
 
 
 def spawn_context_read(path):
-    from fastspawn._spawn_context import read_traceback
+    from fastspawn._torch.spawn_context import read_traceback
 
     return read_traceback(str(path))
 
@@ -657,7 +658,7 @@ def numa_options(mode="node", fall_back=False):
 
 
 def twelve_cpu_topology(tmp_path, allowed=None):
-    return _numa.Topology(
+    return numa.Topology(
         root=str(twelve_cpus(tmp_path)),
         gpu_node=TWELVE_CPUS_GPUS.__getitem__,
         gpus=lambda: len(TWELVE_CPUS_GPUS),
@@ -677,18 +678,18 @@ def twelve_cpu_topology(tmp_path, allowed=None):
 def test_numa_options_modes_as_torch_defines_them(tmp_path, mode, expected):
     topology = twelve_cpu_topology(tmp_path)
     for gpu, cpus in expected.items():
-        assert _numa.cpus_for(mode, gpu, topology) == set(cpus), (mode, gpu)
+        assert numa.cpus_for(mode, gpu, topology) == set(cpus), (mode, gpu)
 
 
 def test_numa_options_bind_only_allowed_cpus(tmp_path):
     topology = twelve_cpu_topology(tmp_path, allowed=set(range(12)) - {1, 5})
-    assert _numa.cpus_for("node", 0, topology) == {0, 2, 3}
-    assert _numa.cpus_for("exclusive", 0, topology) == {0}  # core {0, 1}, less CPU 1
-    assert _numa.cpus_for("exclusive", 1, topology) == {2, 3}
-    assert _numa.cpus_for("socket", 3, topology) == set(range(8, 12))
+    assert numa.cpus_for("node", 0, topology) == {0, 2, 3}
+    assert numa.cpus_for("exclusive", 0, topology) == {0}  # core {0, 1}, less CPU 1
+    assert numa.cpus_for("exclusive", 1, topology) == {2, 3}
+    assert numa.cpus_for("socket", 3, topology) == set(range(8, 12))
     no_node0 = twelve_cpu_topology(tmp_path, allowed=set(range(4, 12)))
     with pytest.raises(RuntimeError, match="no allowed CPU to bind to near GPU 0"):
-        _numa.cpus_for("node", 0, no_node0)
+        numa.cpus_for("node", 0, no_node0)
 
 
 def test_numa_options_exclusive_needs_a_core_per_gpu(tmp_path):
@@ -696,13 +697,13 @@ def test_numa_options_exclusive_needs_a_core_per_gpu(tmp_path):
     topology.gpu_node = lambda gpu: 0
     topology.gpus = lambda: 3  # three GPUs on node 0's two cores
     with pytest.raises(RuntimeError, match="2 physical cores for its 3 GPUs"):
-        _numa.cpus_for("exclusive", 0, topology)
+        numa.cpus_for("exclusive", 0, topology)
 
 
 def test_numa_options_cpu_lists():
-    assert _numa.parse_cpu_list("0-2,4,6-7\n") == {0, 1, 2, 4, 6, 7}
-    assert _numa.format_cpu_list({7, 0, 1, 2, 4, 6}) == "0-2,4,6-7"
-    assert _numa.format_cpu_list({3}) == "3"
+    assert numa.parse_cpu_list("0-2,4,6-7\n") == {0, 1, 2, 4, 6, 7}
+    assert numa.format_cpu_list({7, 0, 1, 2, 4, 6}) == "0-2,4,6-7"
+    assert numa.format_cpu_list({3}) == "3"
 
 
 def test_numa_options_gpu_node_from_its_pci_address(tmp_path, monkeypatch):
@@ -710,12 +711,12 @@ def test_numa_options_gpu_node_from_its_pci_address(tmp_path, monkeypatch):
     props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0xDC, pci_device_id=0)
     cuda = SimpleNamespace(get_device_properties=lambda index: props)
     monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
-    monkeypatch.setattr(_numa, "SYSFS", str(tmp_path))
+    monkeypatch.setattr(numa, "SYSFS", str(tmp_path))
     node_file = tmp_path / "bus/pci/devices/0000:dc:00.0/numa_node"
     node_file.parent.mkdir(parents=True)
     for text, node in (("1\n", 1), ("-1\n", 0)):
         node_file.write_text(text)
-        assert _numa.gpu_numa_node(0) == node
+        assert numa.gpu_numa_node(0) == node
 
 
 def test_numa_options_clear_error_where_they_cannot_apply(tmp_path, monkeypatch, caplog):
@@ -724,7 +725,7 @@ def test_numa_options_clear_error_where_they_cannot_apply(tmp_path, monkeypatch,
         elastic.start_processes(
             "t", "/bin/true", {0: ()}, {0: {}}, str(tmp_path), numa_options=numa_options()
         )
-    monkeypatch.setattr(_numa, "SYSFS", str(tmp_path / "nothing"))
+    monkeypatch.setattr(numa, "SYSFS", str(tmp_path / "nothing"))
     with pytest.raises(RuntimeError, match="shows no NUMA information"):
         elastic.start_processes(
             "t",
@@ -755,7 +756,7 @@ def test_numa_options_clear_error_where_they_cannot_apply(tmp_path, monkeypatch,
 
 @pytest.fixture
 def numa_machine(tmp_path, monkeypatch):
-    """_numa looks at a two-node tree (node 0: the lowest CPU we may use,
+    """numa looks at a two-node tree (node 0: the lowest CPU we may use,
     node 1: the highest) and two stand-in GPUs, one per node."""
     allowed = sorted(os.sched_getaffinity(0))
     cores = {cpu: {cpu} for cpu in allowed}
@@ -766,9 +767,9 @@ def numa_machine(tmp_path, monkeypatch):
         cores,
         cores,
     )
-    monkeypatch.setattr(_numa, "SYSFS", str(root))
-    monkeypatch.setattr(_numa, "gpu_count", lambda: 2)
-    monkeypatch.setattr(_numa, "gpu_numa_node", lambda gpu: gpu)
+    monkeypatch.setattr(numa, "SYSFS", str(root))
+    monkeypatch.setattr(numa, "gpu_count", lambda: 2)
+    monkeypatch.setattr(numa, "gpu_numa_node", lambda gpu: gpu)
     return allowed
 
 
@@ -793,7 +794,7 @@ def test_numa_options_binding_that_fails_in_a_rank(tmp_path, start_method, fall_
     # The launcher is told there are GPUs; the rank, asking the real
     # machine, finds none: it fails as torch's does (its error file says
     # why), or runs unbound when told to fall back.
-    monkeypatch.setattr(_numa, "gpu_count", lambda: 1)
+    monkeypatch.setattr(numa, "gpu_count", lambda: 1)
     pc = elastic.start_processes(
         "t",
         workers.elastic_add,

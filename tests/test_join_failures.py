@@ -11,7 +11,8 @@ import pytest
 import workers
 
 import fastspawn
-from fastspawn import _context, elastic
+from fastspawn import elastic
+from fastspawn._launch import context
 
 INF = float("inf")
 NAN = float("nan")
@@ -54,7 +55,7 @@ def test_join_teardown_error_still_raises_the_failure_and_leaves_nothing_running
     def broken_wait(self, timeout):
         raise OverflowError("the graceful wait broke")
 
-    monkeypatch.setattr(_context.ProcessContext, "_wait_all", broken_wait)
+    monkeypatch.setattr(context.ProcessContext, "_wait_all", broken_wait)
     ctx = start(workers.raise_on_rank0_others_ignore_sigterm, (600.0,), start_method=start_method)
     with pytest.raises(
         fastspawn.ProcessRaisedException,
@@ -77,7 +78,7 @@ def test_join_interrupted_teardown_keeps_the_failure_for_the_next_join(start_met
     def interrupted_wait(self, timeout):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_context.ProcessContext, "_wait_all", interrupted_wait)
+    monkeypatch.setattr(context.ProcessContext, "_wait_all", interrupted_wait)
     ctx = start(workers.raise_on_rank0_others_ignore_sigterm, (600.0,), start_method=start_method)
     with pytest.raises(KeyboardInterrupt):
         while not ctx.join(grace_period=5):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fastspawn import _kernel_output
+from fastspawn._launch import kernel_output
 
 
 class SlowKernelStream:
@@ -51,7 +51,7 @@ def kernel_stdout(monkeypatch):
 def test_what_the_workers_wrote_is_forwarded_before_catch_up_returns(kernel_stdout, monkeypatch):
     monkeypatch.setattr(sys, "stdout", kernel_stdout)
     os.write(kernel_stdout.write_end, b"rank 1 done\n")
-    _kernel_output.catch_up(limit=30)
+    kernel_output.catch_up(limit=30)
     assert bytes(kernel_stdout.forwarded) == b"rank 1 done\n"
 
 
@@ -59,11 +59,11 @@ def test_the_wait_is_bounded_when_the_kernel_falls_behind(kernel_stdout, monkeyp
     monkeypatch.setattr(sys, "stdout", kernel_stdout)
     os.write(kernel_stdout.write_end, b"x" * 50)  # 1 s of forwarding
     started = time.monotonic()
-    _kernel_output.catch_up(limit=0.1)
+    kernel_output.catch_up(limit=0.1)
     assert time.monotonic() - started < 3
     assert len(kernel_stdout.forwarded) < 50
 
 
 def test_outside_a_kernel_nothing_is_waited_for():
-    assert _kernel_output._watched(sys.stdout) is None
-    assert _kernel_output._watched(sys.stderr) is None
+    assert kernel_output._watched(sys.stdout) is None
+    assert kernel_output._watched(sys.stderr) is None

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fastspawn import _oscall, elastic
-from fastspawn._core import ffi, lib
+from fastspawn import elastic
+from fastspawn._os import oscall
+from fastspawn._os._core import ffi, lib
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "fastspawn.h"
 
@@ -51,7 +52,7 @@ def closed_fd() -> int:
 def test_missing_cwd_names_the_directory_not_the_binary(tmp_path):
     cwd = str(tmp_path / "no-such-dir")
     with pytest.raises(FileNotFoundError) as info:
-        _oscall.launch("/bin/true", ["true"], {}, cwd=cwd)
+        oscall.launch("/bin/true", ["true"], {}, cwd=cwd)
     assert info.value.filename == cwd
     assert "from chdir to the launch's cwd" in str(info.value)
     assert "/bin/true" not in str(info.value)
@@ -61,7 +62,7 @@ def test_cwd_that_is_a_file_is_not_a_directory(tmp_path):
     cwd = tmp_path / "a-file"
     cwd.write_text("")
     with pytest.raises(NotADirectoryError) as info:
-        _oscall.launch("/bin/true", ["true"], {}, cwd=str(cwd))
+        oscall.launch("/bin/true", ["true"], {}, cwd=str(cwd))
     assert info.value.filename == str(cwd)
     assert "from chdir" in str(info.value)
 
@@ -70,7 +71,7 @@ def test_missing_binary_names_the_binary(tmp_path):
     # The cwd exists: the exec, not the chdir, fails, and the error says so.
     path = str(tmp_path / "no-such-binary")
     with pytest.raises(FileNotFoundError) as info:
-        _oscall.launch(path, ["x"], {}, cwd=str(tmp_path))
+        oscall.launch(path, ["x"], {}, cwd=str(tmp_path))
     assert info.value.filename == path
     assert str(info.value) == f"[Errno 2] No such file or directory (from fs_launch): {path!r}"
     assert "chdir" not in str(info.value)
@@ -79,16 +80,16 @@ def test_missing_binary_names_the_binary(tmp_path):
 def test_binary_relative_to_the_cwd_is_found_there(tmp_path):
     # execve resolves a relative path after the chdir: in the launch's cwd.
     os.symlink("/bin/true", tmp_path / "true-here")
-    pid, pidfd = _oscall.launch("./true-here", ["true-here"], {}, cwd=str(tmp_path))
+    pid, pidfd = oscall.launch("./true-here", ["true-here"], {}, cwd=str(tmp_path))
     try:
-        assert _oscall.pidfd_wait(pidfd, nohang=False) == 0
+        assert oscall.pidfd_wait(pidfd, nohang=False) == 0
     finally:
         os.close(pidfd)
 
 
 def test_bad_stdio_fd_names_dup2():
     with pytest.raises(OSError) as info:
-        _oscall.launch("/bin/true", ["true"], {}, stdout=closed_fd())
+        oscall.launch("/bin/true", ["true"], {}, stdout=closed_fd())
     assert info.value.errno == errno.EBADF
     assert "(from dup2 of the launch's stdin, stdout or stderr)" in str(info.value)
     assert info.value.filename is None
@@ -96,7 +97,7 @@ def test_bad_stdio_fd_names_dup2():
 
 def test_bad_keep_fd_names_keep_fds():
     with pytest.raises(OSError) as info:
-        _oscall.launch("/bin/true", ["true"], {}, keep_fds=[closed_fd()])
+        oscall.launch("/bin/true", ["true"], {}, keep_fds=[closed_fd()])
     assert info.value.errno == errno.EBADF
     assert "(from fcntl(F_SETFD) on the launch's keep_fds)" in str(info.value)
     assert info.value.filename is None
@@ -106,14 +107,14 @@ def test_joining_a_missing_group_names_setpgid():
     # No group has an id above any pid_max: setpgid(2) says EPERM.
     group = 2**22 + 12345
     with pytest.raises(PermissionError) as info:
-        _oscall.launch("/bin/true", ["true"], {}, process_group=group)
+        oscall.launch("/bin/true", ["true"], {}, process_group=group)
     assert f"(from setpgid to join process group {group})" in str(info.value)
     assert info.value.filename is None
 
 
 def test_bad_pdeathsig_names_prctl():
     with pytest.raises(OSError) as info:
-        _oscall.launch("/bin/true", ["true"], {}, pdeathsig=999)
+        oscall.launch("/bin/true", ["true"], {}, pdeathsig=999)
     assert info.value.errno == errno.EINVAL
     assert "(from prctl(PR_SET_PDEATHSIG) in the launched child)" in str(info.value)
     assert info.value.filename is None
@@ -142,7 +143,7 @@ def test_every_step_has_a_message():
 
 @pytest.mark.parametrize("name", sorted(STEP_MESSAGES))
 def test_step_message(name):
-    error = _oscall._launch_error(
+    error = oscall._launch_error(
         errno.EAGAIN if name == "FS_STEP_CLONE" else errno.EPERM,
         getattr(lib, name),
         "/the/binary",

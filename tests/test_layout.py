@@ -1,15 +1,21 @@
-"""The package's structure: no import cycles, start methods named only in
-fastspawn/_methods/, a start method pluggable from one file, the
-complexity limit kept."""
+"""The package's structure: its folders are its floors (see
+docs/development.md), and the rules below hold between them.
+
+Each rule is a function over the package's import graph or sources that
+returns its violations; each is run on the package (none allowed) and on a
+small made-up case that breaks it (the check must see it).
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
@@ -17,15 +23,46 @@ import workers
 
 import fastspawn
 from fastspawn import elastic
-from fastspawn._methods import registry
-from fastspawn._methods.base import StartMethod
+from fastspawn._launch.methods import registry
+from fastspawn._launch.methods.base import StartMethod
 
 PACKAGE = Path(fastspawn.__file__).parent
-METHODS_DIR = PACKAGE / "_methods"
+METHODS = "fastspawn._launch.methods"
+
+# The floors, lowest first, with what each owns.  A floor imports only floors
+# above it in this table; "fastspawn" is the package's own __init__ (the
+# lazy public face), "__main__" is ``python -m fastspawn``.
+FLOORS = [
+    ("_os", "the kernel through the C core: the only importer of _core"),
+    ("_wire", "what crosses a process boundary: the report channel, pickling"),
+    ("_warden", "the warden process, and the caller's client of it"),
+    ("_worker", "what runs inside a worker, from fork or exec to its exit"),
+    ("_zygote", "the zygote process: its loop, forking, its protocol and client"),
+    ("_launch", "the caller's launch engine: start_processes, contexts, methods/"),
+    ("elastic", "the public fastspawn.elastic"),
+    ("_torch", "torch compatibility: patch_torch, SpawnContext, torch's agent"),
+    ("fastspawn", "the lazy public face (fastspawn/__init__.py)"),
+    ("_bench", "fastspawn bench"),
+    ("_cli", "the command line"),
+    ("__main__", "python -m fastspawn"),
+]
+FLOOR_ORDER = {name: index for index, (name, _owns) in enumerate(FLOORS)}
+# The C core: only the kernel's floor imports it.
+CORE = "fastspawn._os._core"
+# Only the start methods talk to the helper processes' clients.
+CLIENTS = {"fastspawn._zygote.client", "fastspawn._warden.client"}
+# The public faces, imported (inside the package) only by the command-line floors.
+FACES = {"fastspawn", "fastspawn.elastic"}
+COMMAND_LINE = {"_bench", "_cli", "__main__"}
+MAX_LINES = 700
+MAX_TOP_MODULES = 6  # directly in fastspawn/, besides __init__ and __main__
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+# ------------------------------------------------------------ the graph
+
+
+def _module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -33,6 +70,13 @@ def _module_name(path: Path) -> str:
 
 def _sources() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _modules() -> set[str]:
+    """Every module of the package: its sources, and the C extension (known
+    by its stub, whatever the build's file name)."""
+    stubs = {_module_name(path) for path in PACKAGE.rglob("*.pyi")}
+    return set(_sources()) | stubs
 
 
 def _type_checking_only(node: ast.AST) -> bool:
@@ -43,13 +87,13 @@ def _type_checking_only(node: ast.AST) -> bool:
     )
 
 
-def _imports(tree: ast.AST, modules: set[str], package: str) -> set[str]:
-    """The fastspawn modules a module imports, at any depth (functions
-    too), leaving out ``if TYPE_CHECKING:`` blocks (type names only)."""
+def _imports(tree: ast.AST, modules: set[str], package: str, type_only: bool = True) -> set[str]:
+    """The fastspawn modules a module imports, at any depth (functions too),
+    ``if TYPE_CHECKING:`` blocks included unless ``type_only`` is False."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_only(node):
+        if not type_only and _type_checking_only(node):
             return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in modules)
@@ -70,24 +114,31 @@ def _imports(tree: ast.AST, modules: set[str], package: str) -> set[str]:
     return found
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(type_only: bool = True) -> dict[str, set[str]]:
     sources = _sources()
-    modules = set(sources)
+    modules = _modules()
     graph = {}
     for name, path in sources.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        graph[name] = _imports(ast.parse(path.read_text()), modules, package) - {name}
+        tree = ast.parse(path.read_text())
+        graph[name] = _imports(tree, modules, package, type_only) - {name}
     return graph
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+def _floor(module: str) -> str:
+    """The floor a module belongs to: its first name below fastspawn."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
     def visit(node: str) -> list[str] | None:
         state[node] = 1
         path.append(node)
-        for target in sorted(graph[node]):
+        for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
                 return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)) is not None:
@@ -102,20 +153,279 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# ------------------------------------------------------------ the rules
+
+
+def floor_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Imports of a floor that is not above the importer's in FLOORS (or
+    of a module in no floor at all)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        mine = _floor(module)
+        for target in sorted(targets):
+            theirs = _floor(target)
+            if theirs == mine:
+                continue
+            if mine not in FLOOR_ORDER or theirs not in FLOOR_ORDER:
+                found.append(f"{module} -> {target}: not in a floor of FLOORS")
+            elif FLOOR_ORDER[theirs] > FLOOR_ORDER[mine]:
+                found.append(f"{module} ({mine}) imports {target} ({theirs}), a floor above it")
+    return found
+
+
+def floor_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
+    """A cycle between floors (each floor one node), if any."""
+    floors: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        edges = floors.setdefault(_floor(module), set())
+        edges.update(_floor(target) for target in targets if _floor(target) != _floor(module))
+    return _find_cycle(floors)
+
+
+def core_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Modules outside _os that import the C core."""
+    return [
+        f"{module} imports {CORE}"
+        for module, targets in sorted(graph.items())
+        if CORE in targets and _floor(module) != "_os"
+    ]
+
+
+def client_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Modules outside the start methods that import a helper's client."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if module.startswith(METHODS + ".") or module in CLIENTS:
+            continue
+        found += [f"{module} imports {client}" for client in sorted(CLIENTS & set(targets))]
+    return found
+
+
+def face_violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
+    """Modules below the command line that import a public face (its
+    __init__, not a module inside it)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if _floor(module) in COMMAND_LINE or module in FACES:
+            continue
+        found += [f"{module} imports {face}" for face in sorted(FACES & set(targets))]
+    return found
+
+
+def _module_strings(tree: ast.AST, modules: set[str]) -> list[tuple[int, str]]:
+    """String constants that are a fastspawn module's dotted name: how a
+    module would find another through ``sys.modules``, importlib or
+    logging's registry, where no import check sees it."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in modules and node.value.startswith("fastspawn."):
+                found.append((node.lineno, node.value))
+    return found
+
+
+def string_violations(sources: Mapping[str, str], modules: set[str]) -> list[str]:
+    """Modules that name another by a string: only the public face's lazy
+    table may (test_the_lazy_table_names_real_modules checks it)."""
+    found = []
+    for module, text in sorted(sources.items()):
+        if module == "fastspawn":
+            continue
+        found += [
+            f"{module}:{line}: {value!r}"
+            for line, value in _module_strings(ast.parse(text), modules)
+        ]
+    return found
+
+
+def _package_graph() -> dict[str, set[str]]:
+    return _import_graph(type_only=True)
+
+
+def _package_sources() -> dict[str, str]:
+    return {name: path.read_text() for name, path in _sources().items()}
+
+
+# ------------------------------------------------- the rules, on the package
+
+
+def test_the_floors_table_names_every_floor_and_only_those():
+    floors = {_floor(module) for module in _sources()}
+    assert floors == set(FLOOR_ORDER), floors ^ set(FLOOR_ORDER)
+
+
+def test_each_floor_imports_only_the_floors_below_it():
+    assert floor_violations(_package_graph()) == []
+
+
+def test_no_cycle_between_floors():
+    assert floor_cycle(_package_graph()) is None
+
+
+def test_no_cycle_between_modules_type_only_imports_included():
+    graph = _package_graph()
+    assert "fastspawn._launch.methods.base" in graph and graph["fastspawn._launch.methods.registry"]
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_only_the_kernel_floor_imports_the_c_core():
+    graph = _package_graph()
+    assert any(CORE in targets for targets in graph.values())  # the walk sees it
+    assert core_violations(graph) == []
+
+
+def test_only_the_start_methods_talk_to_the_helpers_clients():
+    assert client_violations(_package_graph()) == []
+
+
+def test_only_the_command_line_imports_the_public_faces():
+    assert face_violations(_package_graph()) == []
+
+
+def test_no_module_finds_another_by_name():
+    assert string_violations(_package_sources(), _modules()) == []
+
+
+def test_the_lazy_table_names_real_modules():
+    # The public face's one table of module names: each resolves, and gives
+    # the attribute it is listed for.
+    for name in fastspawn.__all__:
+        assert getattr(fastspawn, name) is not None, name
+        module = importlib.import_module(fastspawn._WHERE[name])
+        assert getattr(module, name) is getattr(fastspawn, name), name
+
+
+def test_the_documented_logger_keeps_its_name():
+    # Logging set-ups match the name the docs give; the move kept it.
+    from fastspawn._launch import context
+
+    assert context.log.name == "fastspawn._context"
+    docs = (PACKAGE.parent / "docs" / "differences.md").read_text()
+    assert "`fastspawn._context` logger" in docs
+
+
+def test_no_module_over_the_line_limit():
+    long = {
+        name: n
+        for name, path in _sources().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"over {MAX_LINES} lines (split along the seam): {long}"
+
+
+def test_few_modules_directly_in_the_package():
+    top = [
+        path.name
+        for path in PACKAGE.glob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    ]
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_every_floor_says_what_it_owns():
+    for floor, _owns in FLOORS:
+        init = PACKAGE / floor / "__init__.py"
+        if floor in ("fastspawn", "__main__"):
+            continue
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def test_the_development_map_lists_every_floor():
+    text = (PACKAGE.parent / "docs" / "development.md").read_text()
+    for floor, _owns in FLOORS:
+        if floor not in ("fastspawn", "__main__"):
+            assert f"`{floor}/`" in text, floor
+
+
+# ------------------------------------------- the rules, on made-up breaches
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_import_walk_sees_imports_inside_functions():
-    tree = ast.parse("def f():\n    from fastspawn import _oscall\n")
-    assert _imports(tree, {"fastspawn._oscall"}, "fastspawn") == {"fastspawn._oscall"}
+def test_the_import_walk_sees_imports_inside_functions_and_type_only_ones():
+    code = (
+        "TYPE_CHECKING = False\n"
+        "if TYPE_CHECKING:\n    from fastspawn._wire import channel\n"
+        "def f():\n    from fastspawn._os import oscall\n"
+    )
+    modules = {"fastspawn._os.oscall", "fastspawn._wire.channel"}
+    tree = ast.parse(code)
+    assert _imports(tree, modules, "fastspawn") == modules
+    assert _imports(tree, modules, "fastspawn", type_only=False) == {"fastspawn._os.oscall"}
 
 
-def test_no_import_cycles():
-    graph = _import_graph()
-    assert "fastspawn._launch" in graph and graph["fastspawn._methods.registry"]
-    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph) or [])
+def test_a_floor_importing_one_above_it_is_caught():
+    graph = {"fastspawn._os.oscall": {"fastspawn._launch.api"}, "fastspawn._launch.api": set()}
+    assert floor_violations(graph) == [
+        "fastspawn._os.oscall (_os) imports fastspawn._launch.api (_launch), a floor above it"
+    ]
+    assert floor_violations({"fastspawn._attic.old": {"fastspawn._os.oscall"}})
+
+
+def test_a_cycle_between_floors_is_caught():
+    graph = {
+        "fastspawn._worker.runner": {"fastspawn._zygote.server"},
+        "fastspawn._zygote.server": {"fastspawn._worker.forked"},
+        "fastspawn._worker.forked": set(),
+    }
+    assert _find_cycle(graph) is None  # no cycle between the modules...
+    assert floor_cycle(graph) == ["_worker", "_zygote", "_worker"]  # ... but between floors
+
+
+def test_a_type_only_cycle_is_caught():
+    modules = {"fastspawn._launch.a", "fastspawn._launch.b"}
+    a = "from fastspawn._launch import b\n"
+    b = "TYPE_CHECKING = False\nif TYPE_CHECKING:\n    from fastspawn._launch import a\n"
+    graph = {
+        "fastspawn._launch.a": _imports(ast.parse(a), modules, "fastspawn._launch"),
+        "fastspawn._launch.b": _imports(ast.parse(b), modules, "fastspawn._launch"),
+    }
+    assert _find_cycle(graph) == [
+        "fastspawn._launch.a",
+        "fastspawn._launch.b",
+        "fastspawn._launch.a",
+    ]
+
+
+def test_the_core_imported_above_the_kernel_is_caught():
+    graph = {"fastspawn._worker.stacks": {CORE}, "fastspawn._os.oscall": {CORE}}
+    assert core_violations(graph) == [f"fastspawn._worker.stacks imports {CORE}"]
+
+
+def test_a_client_imported_outside_the_methods_is_caught():
+    graph = {
+        "fastspawn._cli.main": {"fastspawn._zygote.client"},
+        "fastspawn._launch.methods.zygote": {"fastspawn._zygote.client"},
+    }
+    assert client_violations(graph) == ["fastspawn._cli.main imports fastspawn._zygote.client"]
+
+
+def test_a_face_imported_below_the_command_line_is_caught():
+    graph = {
+        "fastspawn._torch.agent": {"fastspawn.elastic", "fastspawn.elastic.start"},
+        "fastspawn._cli.restart": {"fastspawn.elastic", "fastspawn"},
+    }
+    assert face_violations(graph) == ["fastspawn._torch.agent imports fastspawn.elastic"]
+
+
+def test_a_module_found_by_name_is_caught():
+    modules = {"fastspawn._launch.context", "fastspawn._worker.runner"}
+    sources = {
+        "fastspawn._worker.runner": (
+            'import sys\nctx = sys.modules.get("fastspawn._launch.context")\n'
+        ),
+        "fastspawn": '_WHERE = {"x": "fastspawn._launch.context"}\n',
+    }
+    assert string_violations(sources, modules) == [
+        "fastspawn._worker.runner:2: 'fastspawn._launch.context'"
+    ]
+
+
+# ------------------------------------------------------ the start methods
 
 
 def _public_names_in_init(tree: ast.Module) -> set[int]:
@@ -137,7 +447,7 @@ def test_method_names_are_spelled_only_in_the_methods_package():
     assert {"zygote", "spawn", "fork", "forkserver"} <= names
     found = []
     for name, path in _sources().items():
-        if METHODS_DIR in path.parents:
+        if name == METHODS or name.startswith(METHODS + "."):
             continue
         tree = ast.parse(path.read_text())
         allowed = (
@@ -148,7 +458,7 @@ def test_method_names_are_spelled_only_in_the_methods_package():
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value in names and id(node) not in allowed:
                 found.append(f"{name}:{node.lineno}: {node.value!r}")
-    assert not found, "start-method names outside fastspawn/_methods/:\n" + "\n".join(found)
+    assert not found, f"start-method names outside {METHODS}:\n" + "\n".join(found)
 
 
 def test_a_start_method_from_one_file_runs_a_launch():

@@ -24,7 +24,10 @@ from conftest import START_METHODS
 from helpers import run_script
 
 import fastspawn
-from fastspawn import _limits, _oscall, _procstate, _zygote_client, elastic
+from fastspawn import elastic
+from fastspawn._os import limits as _limits
+from fastspawn._os import oscall, procstate
+from fastspawn._zygote import client
 
 NOGROUP = 65534
 
@@ -32,7 +35,8 @@ NOGROUP = 65534
 DRIVER = """
     import errno, os, resource, sys, time
     import fastspawn
-    from fastspawn import _warden_client, _zygote_client
+    from fastspawn._warden import client as _warden_client
+    from fastspawn._zygote import client
 
 
     def nproc_limit(rank):
@@ -63,7 +67,7 @@ DRIVER = """
 
 
     def helpers():
-        return _zygote_client.helper_processes()[0] | _warden_client.warden_process()[0]
+        return client.helper_processes()[0] | _warden_client.warden_process()[0]
 
 
     def zygote_nproc_limit(pid):
@@ -78,7 +82,7 @@ DRIVER = """
         own = resource.getrlimit(resource.RLIMIT_NPROC)
         # The zygote (or the warden) starts under the limit as it was.
         fastspawn.start_processes(nproc_limit, nprocs=1, start_method=method)
-        zygote = _zygote_client.zygote_pid() if _zygote_client.helper_processes()[0] else None
+        zygote = client.zygote_pid() if client.helper_processes()[0] else None
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, own[1]))
 
         ctx = fastspawn.start_processes(nproc_limit, nprocs=2, start_method=method)
@@ -179,7 +183,7 @@ def _python_for(uid: int, path: str) -> Iterator[tuple[int, str, str]]:
     for python in candidates:
         try:
             probe = subprocess.run(
-                [python, "-c", "import fastspawn._core"],
+                [python, "-c", "import fastspawn._os._core"],
                 user=uid,
                 group=NOGROUP,
                 extra_groups=[],
@@ -278,19 +282,19 @@ def test_the_zygote_moves_its_soft_nproc_limit_only_and_puts_it_back():
         pytest.skip(f"RLIMIT_NPROC is {own} here")
     nproc = resource.RLIMIT_NPROC
     try:
-        assert _procstate.adopt_fork_limits({}) == []
-        assert _procstate.adopt_fork_limits({"rlimits": {nproc: own}}) == []
-        saved = _procstate.adopt_fork_limits({"rlimits": {nproc: (40, 40)}})
+        assert procstate.adopt_fork_limits({}) == []
+        assert procstate.adopt_fork_limits({"rlimits": {nproc: own}}) == []
+        saved = procstate.adopt_fork_limits({"rlimits": {nproc: (40, 40)}})
         # The caller's soft limit; the hard one left, to restore from.
         assert resource.getrlimit(nproc) == (40, own[1])
-        _procstate.restore_limits(saved)
+        procstate.restore_limits(saved)
         assert resource.getrlimit(nproc) == own
         # Never above our hard limit, which setrlimit would refuse.
         resource.setrlimit(nproc, (50, own[1]))
         unlimited = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
-        saved = _procstate.adopt_fork_limits({"rlimits": {nproc: unlimited}})
+        saved = procstate.adopt_fork_limits({"rlimits": {nproc: unlimited}})
         assert resource.getrlimit(nproc) == own
-        _procstate.restore_limits(saved)
+        procstate.restore_limits(saved)
         assert resource.getrlimit(nproc) == (50, own[1])
     finally:
         resource.setrlimit(nproc, own)
@@ -315,11 +319,11 @@ def test_nprocs_above_pid_max_is_refused_before_anything_starts(method, nprocs, 
     elif nprocs < pid_max:
         pytest.skip(f"kernel.pid_max is {pid_max} here")
     before = _processes_now()
-    zygote = _zygote_client.helper_processes()[0]
+    zygote = client.helper_processes()[0]
     with pytest.raises(ValueError, match=rf"nprocs={nprocs} .* kernel.pid_max, .* is {pid_max}:"):
         fastspawn.start_processes(print, nprocs=nprocs, start_method=method)
     assert _processes_now() == before
-    assert _zygote_client.helper_processes()[0] == zygote
+    assert client.helper_processes()[0] == zygote
 
 
 def test_nprocs_above_threads_max_is_refused(tmp_path, monkeypatch):
@@ -417,7 +421,7 @@ def test_fastspawn_run_absurd_nprocs_is_a_usage_error():
 def test_eagain_names_the_limit_and_what_to_do(monkeypatch):
     monkeypatch.setattr(_limits, "nproc_enforced", lambda: True)
     soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    error = _oscall.oserror(errno.EAGAIN, "fork of rank 3")
+    error = oscall.oserror(errno.EAGAIN, "fork of rank 3")
     assert isinstance(error, BlockingIOError)
     assert "(from fork of rank 3); the limit on processes may be reached" in str(error)
     if soft != resource.RLIM_INFINITY:

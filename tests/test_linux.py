@@ -20,8 +20,8 @@ import workers
 from helpers import alive_after, gone, kill_driver, run_script
 
 import fastspawn
-import fastspawn._methods.common
-from fastspawn import _warden_client
+import fastspawn._launch.methods.common
+from fastspawn._warden import client as _warden_client
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SPAWN_CTX = multiprocessing.get_context("spawn")
@@ -69,7 +69,8 @@ def test_sigkill_of_parent_kills_every_worker(start_method):
 
 WARDEN_DRIVER = """
 import multiprocessing, sys, time, fastspawn, workers
-from fastspawn import _warden_client, _zygote_client
+from fastspawn._warden import client as _warden_client
+from fastspawn._zygote import client
 queue = multiprocessing.get_context("spawn").SimpleQueue()
 ctx = fastspawn.start_processes(
     workers.start_sleeper_child, (queue,), nprocs=16, join=False, start_method=sys.argv[1])
@@ -104,7 +105,8 @@ def test_replaced_warden_watches_earlier_launches_too():
     driver = run_driver(
         """
         import multiprocessing, os, signal, sys, time, fastspawn, workers
-        from fastspawn import _warden_client, _zygote_client
+        from fastspawn._warden import client as _warden_client
+        from fastspawn._zygote import client
         queue = multiprocessing.get_context("spawn").SimpleQueue()
         pids = []
         contexts = []
@@ -172,7 +174,8 @@ def test_warden_drops_groups_that_end_after_the_caller_execs(start_method):
     driver = run_driver(
         """
         import os, sys, fastspawn, workers
-        from fastspawn import _warden_client, _zygote_client
+        from fastspawn._warden import client as _warden_client
+        from fastspawn._zygote import client
         ctx = fastspawn.start_processes(
             workers.succeed, nprocs=2, join=False, start_method=sys.argv[1])
         (warden,) = _warden_client.warden_process()[0]
@@ -244,7 +247,7 @@ def test_foreground_job_on_a_terminal_keeps_its_workers_in_its_group(tmp_path, s
 
 
 def test_warden_killed_is_replaced():
-    if fastspawn._methods.common.foreground_on_a_terminal():
+    if fastspawn._launch.methods.common.foreground_on_a_terminal():
         pytest.skip("a foreground job on a terminal starts no warden")
     ctx = start(workers.sleep_for, (0.2,), nprocs=2, start_method="fork")
     (first,) = _warden_client.warden_process()[0]
@@ -264,7 +267,7 @@ def test_warden_that_cannot_start_is_a_clear_error(monkeypatch):
     # A "fork" launch runs no program but the warden: without an interpreter
     # at sys.executable (an embedding application) it failed with a bare
     # "No such file or directory (from fs_launch): ''".
-    from fastspawn import _warden_client
+    from fastspawn._warden import client as _warden_client
 
     monkeypatch.setattr(sys, "executable", "")
     with pytest.raises(FileNotFoundError, match="could not start the warden.*sys.executable"):
@@ -302,7 +305,8 @@ def test_warden_leaves_with_its_caller_and_kills_nothing_live(tmp_path):
     driver = run_driver(
         """
         import subprocess, sys, fastspawn, workers
-        from fastspawn import _warden_client, _zygote_client
+        from fastspawn._warden import client as _warden_client
+        from fastspawn._zygote import client
         ctx = fastspawn.start_processes(workers.leave_sleeper_child, nprocs=1, start_method="fork")
         (warden,) = _warden_client.warden_process()[0]
         print(warden, ctx.return_values[0], flush=True)
@@ -336,14 +340,14 @@ def test_exit_lets_go_of_the_warden_socket_but_keeps_its_fd_open():
         import atexit, os
 
         def check():
-            from fastspawn import _warden_client
+            from fastspawn._warden import client as _warden_client
             warden = _warden_client.current()
             os.fstat(fd)  # still open
             print(warden.control.fileno(), flush=True)
 
         atexit.register(check)
         import fastspawn, workers
-        from fastspawn import _warden_client
+        from fastspawn._warden import client as _warden_client
         fastspawn.start_processes(workers.succeed, nprocs=1, start_method="fork")
         fd = _warden_client.current().control.fileno()
         (warden,) = _warden_client.warden_process()[0]
@@ -377,7 +381,7 @@ def test_parent_dead_before_prctl_is_detected():
                 textwrap.dedent(
                     """
                     import os, select, sys
-                    from fastspawn import _oscall
+                    from fastspawn._os import oscall
                     out = int(sys.argv[1])
                     parent = os.getpid()
                     ready_r, ready_w = os.pipe()
@@ -390,7 +394,7 @@ def test_parent_dead_before_prctl_is_detected():
                         os.write(ready_w, b"x")
                         watch.poll()
                         try:
-                            _oscall.set_pdeathsig(9, parent)
+                            oscall.set_pdeathsig(9, parent)
                         except ProcessLookupError:
                             os.write(out, b"detected")
                             os._exit(0)
@@ -418,13 +422,13 @@ def test_parent_dead_before_prctl_is_detected():
 
 
 def test_pdeathsig_with_live_parent_is_armed():
-    from fastspawn import _oscall
+    from fastspawn._os import oscall
 
     # From a child of ours, with the right parent: no error.
     pid = os.fork()
     if pid == 0:
         try:
-            _oscall.set_pdeathsig(signal.SIGKILL, os.getppid())
+            oscall.set_pdeathsig(signal.SIGKILL, os.getppid())
             os._exit(0)
         except BaseException:
             os._exit(1)

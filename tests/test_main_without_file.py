@@ -1,6 +1,6 @@
 """Functions defined in a __main__ that has no file the workers could import
 (``python -c``, a script read from stdin, the interactive prompt) run under
-every start method: they travel by value (fastspawn/_by_value.py), and an
+every start method: they travel by value (fastspawn/by_value.py), and an
 ordinary script's launches never load cloudpickle."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import types
 import pytest
 from helpers import run_script
 
-from fastspawn import _by_value, _pickling
-from fastspawn._methods import registry
+from fastspawn._launch.methods import registry
+from fastspawn._wire import by_value, pickling
 
 # Written for the interactive prompt too: a blank line ends each block,
 # none inside one.  The start method comes in FASTSPAWN_TEST_METHOD.
@@ -108,7 +108,7 @@ def test_connections_still_carry_their_fds(start_method):
 UNPICKLABLE = """\
 import os, threading, psutil
 import fastspawn
-from fastspawn import _zygote_client
+from fastspawn._zygote import client
 lock = threading.Lock()
 def locked(rank):
     with lock:
@@ -117,7 +117,7 @@ try:
     fastspawn.start_processes(locked, nprocs=2, start_method=os.environ["FASTSPAWN_TEST_METHOD"])
 except Exception as exc:
     print(type(exc).__name__, exc)
-print("children:", psutil.Process().children(), _zygote_client.zygote_pid())
+print("children:", psutil.Process().children(), client.zygote_pid())
 """
 
 
@@ -162,11 +162,11 @@ def _as_if_in_main(fn: types.FunctionType) -> types.FunctionType:
 
 @pytest.fixture
 def main_without_file(monkeypatch):
-    monkeypatch.setattr(_pickling, "main_is_importable", lambda: False)
+    monkeypatch.setattr(pickling, "main_is_importable", lambda: False)
 
 
 def _described(fn: object, *args: object) -> str:
-    problem = _pickling.describe_unpicklable(fn, args, "zygote")
+    problem = pickling.describe_unpicklable(fn, args, "zygote")
     assert problem is not None
     return problem
 
@@ -199,6 +199,6 @@ def test_a_function_pickles_by_value_only_where_main_has_no_file(main_without_fi
 
     # A nested function of an importable module: by value here, where it
     # used to be an error; the same function named in its module: by name.
-    assert _by_value._by_value(local)
-    assert not _by_value._by_value(_pickling.dumps)
-    assert _pickling.describe_unpicklable(local, (), "zygote") is None
+    assert by_value._by_value(local)
+    assert not by_value._by_value(pickling.dumps)
+    assert pickling.describe_unpicklable(local, (), "zygote") is None

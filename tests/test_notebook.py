@@ -30,7 +30,7 @@ from helpers import gone
 pytest.importorskip("ipykernel")
 pytest.importorskip("nbclient")
 
-from fastspawn._methods import registry  # noqa: E402
+from fastspawn._launch.methods import registry  # noqa: E402
 
 DRIVER = Path(__file__).with_name("notebook_driver.py")
 METHODS = registry.names()

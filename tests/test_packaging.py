@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import fastspawn
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(
@@ -137,8 +139,8 @@ def test_the_sdist_holds_the_sources_examples_and_license(dists):
     for path in ("LICENSE", "CHANGELOG.md", "csrc/fastspawn.h", "csrc/launch.c", "csrc/build.py"):
         assert path in names
     assert any(name.startswith("examples/") and name.endswith(".py") for name in names)
-    assert "fastspawn/_methods/registry.py" in names and "fastspawn/py.typed" in names
-    assert "fastspawn/bench.schema.json" in names
+    assert "fastspawn/_launch/methods/registry.py" in names and "fastspawn/py.typed" in names
+    assert "fastspawn/_bench/bench.schema.json" in names
 
 
 def test_the_wheel_holds_the_package_data(dists):
@@ -146,9 +148,14 @@ def test_the_wheel_holds_the_package_data(dists):
 
     with zipfile.ZipFile(dists["manylinux"]) as wheel:
         names = set(wheel.namelist())
-    for path in ("fastspawn/py.typed", "fastspawn/bench.schema.json"):
+    for path in ("fastspawn/py.typed", "fastspawn/_bench/bench.schema.json"):
         assert path in names
-    assert any(name.startswith("fastspawn/_core.abi3") for name in names)
+    assert any(name.startswith("fastspawn/_os/_core.abi3") for name in names)
+    # Every subpackage, every module: a layer left out of the wheel would
+    # fail only when a user's launch first reached it.
+    package = Path(fastspawn.__file__).parent
+    for module in package.rglob("*.py"):
+        assert f"fastspawn/{module.relative_to(package)}" in names, module
 
 
 def test_the_sdist_without_a_compiler_says_what_to_do(dists, venv_without_compiler, tmp_path):

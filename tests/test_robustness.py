@@ -19,14 +19,18 @@ import workers
 from helpers import alive_after, gone, run_script
 
 import fastspawn
-from fastspawn import _context, _warden_client, _worker, _zygote_client, elastic
+from fastspawn import elastic
+from fastspawn._launch import context as _context
+from fastspawn._warden import client as _warden_client
+from fastspawn._worker import forked
+from fastspawn._zygote import client
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def zygote_fd_targets() -> list[str]:
-    _zygote_client.get_server()
-    zygote = _zygote_client.zygote_pid()
+    client.get_server()
+    zygote = client.zygote_pid()
     targets = []
     for name in os.listdir(f"/proc/{zygote}/fd"):
         try:
@@ -90,8 +94,8 @@ def test_zygote_death_kills_what_binary_ranks_started(tmp_path):
         assert time.monotonic() < deadline, "the rank did not start its child"
         time.sleep(0.05)
     child = int(pid_file.read_text())
-    _zygote_client.get_server()
-    os.kill(_zygote_client.zygote_pid(), signal.SIGKILL)
+    client.get_server()
+    os.kill(client.zygote_pid(), signal.SIGKILL)
     assert alive_after([child], 2.0) == []
     started = time.monotonic()
     result = ctx.wait(30)
@@ -133,7 +137,7 @@ def multiprocessing_queue():
 
 
 def test_fork_worker_does_not_hold_the_zygote_control_socket():
-    zygote = _zygote_client.get_server()
+    zygote = client.get_server()
     control = f"socket:[{os.fstat(zygote.control.fileno()).st_ino}]"
     ctx = fastspawn.start_processes(workers.fd_targets, nprocs=1, start_method="fork")
     assert control not in ctx.return_values[0]
@@ -182,7 +186,7 @@ def test_every_rank_may_start_a_session(start_method):
     assert ctx.return_values == {0: True, 1: True, 2: True}
     if start_method in ("zygote", "forkserver"):
         # The group's anchor is reaped: the zygote has no child left.
-        zygote = _zygote_client.zygote_pid()
+        zygote = client.zygote_pid()
         deadline = time.monotonic() + 10
         while _children(zygote) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -212,7 +216,7 @@ def test_workers_and_helpers_start_with_no_signal_blocked(start_method, from_thr
             fastspawn.start_processes(workers.blocked_signals, nprocs=2, start_method=start_method)
         )
     assert result[0].return_values == {0: 0, 1: 0}
-    helpers = _zygote_client.helper_processes()[0] | _warden_client.warden_process()[0]
+    helpers = client.helper_processes()[0] | _warden_client.warden_process()[0]
     assert helpers or start_method != "zygote"
     assert {pid: workers.blocked_signals_of(pid) for pid in helpers} == dict.fromkeys(helpers, 0)
 
@@ -244,11 +248,12 @@ def test_interrupt_anywhere_in_a_launch_leaves_nothing(tmp_path, start_method):
         import os, random, signal, sys, time
         sys.path.insert(0, sys.argv[1])
         import fastspawn, workers
-        from fastspawn import _warden_client, _zygote_client
+        from fastspawn._warden import client as _warden_client
+        from fastspawn._zygote import client
 
         def ours():
             kids = open(f"/proc/self/task/{os.getpid()}/children").read().split()
-            helpers = _zygote_client.helper_processes()[0] | _warden_client.warden_process()[0]
+            helpers = client.helper_processes()[0] | _warden_client.warden_process()[0]
             return sorted(int(k) for k in kids if int(k) not in helpers)
 
         if __name__ == "__main__":
@@ -312,7 +317,7 @@ def test_ctrl_c_while_the_zygote_prepares_a_launch_leaves_nothing(tmp_path, monk
             )
     finally:
         timer.cancel()
-    zygote = _zygote_client.zygote_pid()
+    zygote = client.zygote_pid()
     deadline = time.monotonic() + 10
     while children_of(zygote):
         assert time.monotonic() < deadline, f"workers left: {children_of(zygote)}"
@@ -330,7 +335,8 @@ def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
         """
         import os, resource, sys, time
         import fastspawn, workers
-        from fastspawn import _warden_client, _zygote_client
+        from fastspawn._warden import client as _warden_client
+        from fastspawn._zygote import client
         fastspawn.start_processes(workers.succeed, nprocs=1)
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
         held = [os.open(os.devnull, os.O_RDONLY) for _ in range(90)]
@@ -342,7 +348,7 @@ def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
             print("error: none")
         for fd in held:
             os.close(fd)
-        zygote = _zygote_client.zygote_pid()
+        zygote = client.zygote_pid()
         deadline = time.monotonic() + 10
         while True:
             with open(f"/proc/{zygote}/task/{zygote}/children") as f:
@@ -637,11 +643,11 @@ def test_workers_write_to_the_callers_current_stdout(start_method, capfd):
 def test_child_forked_while_a_zygote_starts_can_start_its_own():
     # Another thread holds the lock across a zygote's start; a fork at that
     # moment must give the child a free lock, not one held for ever.
-    with _zygote_client._server_lock:
+    with client._server_lock:
         pid = os.fork()
         if pid == 0:
             try:
-                os._exit(0 if _zygote_client._server_lock.acquire(timeout=5) else 1)
+                os._exit(0 if client._server_lock.acquire(timeout=5) else 1)
             finally:
                 os._exit(2)
     _, status = os.waitpid(pid, 0)
@@ -869,7 +875,7 @@ def test_a_fork_rank_never_returns_into_the_callers_code(monkeypatch):
     def raise_early(*args, **kwargs):
         raise RuntimeError("raised before the worker took over")
 
-    monkeypatch.setattr(_worker, "forked_child", raise_early)
+    monkeypatch.setattr(forked, "forked_child", raise_early)
     me = os.getpid()
     try:
         ctx = fastspawn.start_processes(workers.succeed, start_method="fork", join=False)
@@ -887,7 +893,7 @@ def test_a_ctrl_c_as_pidfds_arrive_loses_none(monkeypatch):
     # sends them over the channel) used to raise KeyboardInterrupt with the
     # fds in a discarded tuple: open, known to nobody.  The signal is raised
     # here at exactly that moment; the fds must reach the reports.
-    from fastspawn import _channel
+    from fastspawn._wire import channel as _channel
 
     real_recv_fds = _channel.recv_fds
 

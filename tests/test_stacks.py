@@ -25,7 +25,9 @@ import workers
 from helpers import gone
 
 import fastspawn
-from fastspawn import _stacks, _worker, elastic
+from fastspawn import elastic
+from fastspawn._launch import stacks as _stacks
+from fastspawn._worker import stacks as worker_stacks
 
 SPAWN_CTX = multiprocessing.get_context("spawn")
 FAILED = "ValueError: rank 1 fails while the others wait"
@@ -62,7 +64,7 @@ def until_all_show(line: str, dump: Callable[[], dict[Any, str]]) -> dict[Any, s
 def handles_stack_signal(pid: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
         caught = next(line for line in f if line.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) >> (_worker.STACKS_SIGNAL - 1) & 1)
+    return bool(int(caught.split()[1], 16) >> (worker_stacks.STACKS_SIGNAL - 1) & 1)
 
 
 def fail_in_barrier(start_method: str, **options: Any) -> fastspawn.ProcessRaisedException:
@@ -97,7 +99,7 @@ def test_failure_carries_the_other_ranks_stacks(start_method, caplog):
         assert line in text, (rank, text)
         # Below fn, the frames are fastspawn's (and with "fork", the
         # caller's own): left out.
-        assert "fastspawn/_worker.py" not in text and "_zygote.py" not in text, text
+        assert "fastspawn/_worker/" not in text and "fastspawn/_zygote" not in text, text
     records = [r for r in caplog.records if hasattr(r, "rank_stacks")]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     assert records[0].rank_stacks == exc.rank_stacks
@@ -553,7 +555,7 @@ def _both(tmp_path: Path, name: str, args: list[str]) -> list[subprocess.Complet
     runs = []
     for argv in (
         ["-u", name, *args],
-        _stacks.python_rank_argv(3, name, args),
+        worker_stacks.python_rank_argv(3, name, args),
     ):
         runs.append(
             subprocess.run(
@@ -592,7 +594,7 @@ def test_bootstrap_arms_the_dump(tmp_path):
         )
     )
     proc = subprocess.Popen(
-        [sys.executable, *_stacks.python_rank_argv(3, "wait.py", [])],
+        [sys.executable, *worker_stacks.python_rank_argv(3, "wait.py", [])],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         text=True,

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fastspawn import _tee
-from fastspawn._tee import Tee
+from fastspawn.elastic import tee as _tee
+from fastspawn.elastic.tee import Tee
 
 WAIT = 30.0  # seconds any wait here may take before the test fails
 
@@ -170,7 +170,7 @@ def test_log_write_error_warns_once_and_keeps_draining(tee, console, caplog):
     disk = FullDiskLog()
     data = lines(50_000)  # about 1 MB: many times a pipe's capacity
     write_end = pipe(tee, disk)
-    with caplog.at_level(logging.WARNING, logger="fastspawn._tee"):
+    with caplog.at_level(logging.WARNING, logger="fastspawn.elastic.tee"):
         tee.start()
         Writer(write_end, data).join()  # the rank was never blocked: all of it was read
         assert tee.join(idle_timeout=WAIT)
@@ -187,7 +187,7 @@ def test_broken_console_warns_once_and_keeps_the_log(tee, monkeypatch, tmp_path,
     path = tmp_path / "stdout.log"
     data = lines(50_000)
     write_end = pipe(tee, open(path, "wb"))
-    with caplog.at_level(logging.WARNING, logger="fastspawn._tee"):
+    with caplog.at_level(logging.WARNING, logger="fastspawn.elastic.tee"):
         tee.start()
         Writer(write_end, data).join()
         assert tee.join(idle_timeout=WAIT)
@@ -225,7 +225,7 @@ def test_read_error_drops_only_that_stream(tee, console, monkeypatch, caplog):
         return real_read(fd, n)
 
     monkeypatch.setattr(_tee.os, "read", read)
-    with caplog.at_level(logging.WARNING, logger="fastspawn._tee"):
+    with caplog.at_level(logging.WARNING, logger="fastspawn.elastic.tee"):
         tee.start()
         os.write(bad, b"lost\n")
         Writer(good, lines(10_000)).join()
@@ -281,7 +281,7 @@ def test_join_gives_up_on_a_pipe_held_open_without_data(tee, console, caplog):
     tee.start()
     os.write(write_end, b"done\n")
     try:
-        with caplog.at_level(logging.WARNING, logger="fastspawn._tee"):
+        with caplog.at_level(logging.WARNING, logger="fastspawn.elastic.tee"):
             assert not tee.join(idle_timeout=0.3)
         assert any("[r0]:" in r.getMessage() for r in caplog.records)
     finally:

@@ -26,7 +26,7 @@ def test_patch_torch_routes_spawn_to_fastspawn(patched):
         fastspawn.ProcessExitedException
     )
     ctx = torch_mp.spawn(workers.pid_and_ppid, nprocs=2)
-    zygote = fastspawn._zygote_client.zygote_pid()
+    zygote = fastspawn._zygote.client.zygote_pid()
     assert {ppid for _pid, ppid in ctx.return_values.values()} == {zygote}
 
 
@@ -41,7 +41,7 @@ def test_unpatch_restores_torch(patched):
     assert torch_mp.spawn.__module__ == "torch.multiprocessing.spawn"
     # A name torch did not have before the patch is gone again, not None.
     assert getattr(torch_mp, "ProcessException", "absent") is not None
-    assert fastspawn._context.log.name == "fastspawn._context"
+    assert fastspawn._launch.context.log.name == "fastspawn._context"
     fastspawn.patch_torch(preload=False)  # the fixture unpatches again
 
 
@@ -132,7 +132,7 @@ def test_numa_modes_match_torchs_own(tmp_path, monkeypatch, mode, allowed):
 
     from helpers import TWELVE_CPUS_GPUS, twelve_cpus
 
-    from fastspawn import _numa
+    from fastspawn._os import numa
 
     binding = pytest.importorskip("torch.numa.binding")
     root = str(twelve_cpus(tmp_path))
@@ -154,13 +154,13 @@ def test_numa_modes_match_torchs_own(tmp_path, monkeypatch, mode, allowed):
     monkeypatch.setattr(
         binding, "_get_allowed_cpu_indices_for_current_thread", lambda: set(allowed)
     )
-    ours = _numa.Topology(
+    ours = numa.Topology(
         root, TWELVE_CPUS_GPUS.__getitem__, lambda: len(TWELVE_CPUS_GPUS), set(allowed)
     )
     options = binding.NumaOptions(affinity_mode=binding.AffinityMode(mode))
     for gpu in TWELVE_CPUS_GPUS:
         theirs = binding._get_logical_cpus_to_bind_to(gpu_index=gpu, numa_options=options)
-        assert _numa.cpus_for(mode, gpu, ours) == theirs, gpu
+        assert numa.cpus_for(mode, gpu, ours) == theirs, gpu
 
 
 def test_torchs_numa_options_say_why_they_cannot_apply(tmp_path):
@@ -184,7 +184,7 @@ def test_patch_torch_routes_the_elastic_agents_worker_start(patched):
     import torch.distributed.elastic.multiprocessing as torch_elastic_mp
     from torch.distributed.elastic.agent.server import local_elastic_agent
 
-    from fastspawn import _agent
+    from fastspawn._torch import agent as _agent
 
     # The agent's own binding (imported at its import) and the package's
     # (read by code imported later) both start workers through fastspawn.

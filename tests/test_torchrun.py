@@ -16,7 +16,8 @@ import psutil
 import pytest
 from helpers import gone
 
-from fastspawn import _cli
+from fastspawn._cli import main as cli_main
+from fastspawn._cli import options, topology
 
 NODE_TIMEOUT = 240  # seconds a node of a torch job gets, on a loaded 2-core machine
 
@@ -42,7 +43,7 @@ def write(path: Path, body: str) -> str:
 
 
 def test_torchrun_spellings_parse_alike():
-    parser = _cli.build_parser()
+    parser = cli_main.build_parser()
     dashed = parser.parse_args(
         ["run", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1",
          "--rdzv-id", "j", "--rdzv-conf", "a=1", "--max-restarts", "3", "--monitor-interval",
@@ -67,24 +68,24 @@ def test_torchrun_spellings_parse_alike():
 
 
 def test_nnodes_takes_a_range():
-    assert _cli.parse_nnodes("2") == (2, 2)
-    assert _cli.parse_nnodes("1:4") == (1, 4)
+    assert options.parse_nnodes("2") == (2, 2)
+    assert options.parse_nnodes("1:4") == (1, 4)
     for bad in ["0", "3:2", "1:2:3", "x"]:
         with pytest.raises(ValueError):
-            _cli.parse_nnodes(bad)
-    parser = _cli.build_parser()
-    assert _cli.wants_agent(parser.parse_args(["run", "--nnodes", "1:2", "x"]))
-    assert _cli.wants_agent(parser.parse_args(["run", "--standalone", "x"]))
-    assert _cli.wants_agent(parser.parse_args(["run", "--rdzv-backend", "c10d", "x"]))
-    assert not _cli.wants_agent(parser.parse_args(["run", "--nnodes", "2", "x"]))
+            options.parse_nnodes(bad)
+    parser = cli_main.build_parser()
+    assert topology.wants_agent(parser.parse_args(["run", "--nnodes", "1:2", "x"]))
+    assert topology.wants_agent(parser.parse_args(["run", "--standalone", "x"]))
+    assert topology.wants_agent(parser.parse_args(["run", "--rdzv-backend", "c10d", "x"]))
+    assert not topology.wants_agent(parser.parse_args(["run", "--nnodes", "2", "x"]))
 
 
 def test_torchs_own_configuration_reads_our_options(tmp_path, monkeypatch):
     torchrun = pytest.importorskip("torch.distributed.run")
-    from fastspawn import _torchrun
+    from fastspawn._torch import torchrun as _torchrun
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args would set it here
-    args = _cli.build_parser().parse_args(
+    args = cli_main.build_parser().parse_args(
         ["run", "--nnodes", "1:3", "--rdzv_backend", "c10d", "--rdzv-endpoint", "h:29400",
          "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=5,last_call_timeout=1",
          "--max-restarts", "2", "--monitor-interval", "0.5", "--role", "trainer",
@@ -98,7 +99,7 @@ def test_torchs_own_configuration_reads_our_options(tmp_path, monkeypatch):
     assert (config.max_restarts, config.monitor_interval, config.role) == (2, 0.5, "trainer")
     assert config.logs_specs.root_log_dir == str(tmp_path)
     assert _torchrun.restarts_possible(namespace)
-    fixed = _cli.build_parser().parse_args(["run", "--nnodes", "2", "--standalone", "x.py"])
+    fixed = cli_main.build_parser().parse_args(["run", "--nnodes", "2", "--standalone", "x.py"])
     namespace = _torchrun.torch_args(fixed, 1, torchrun)
     assert namespace.rdzv_backend == "c10d" and namespace.rdzv_endpoint == "localhost:0"
     assert not _torchrun.restarts_possible(namespace)
@@ -130,7 +131,7 @@ def test_static_rdzv_endpoint_gives_master_addr_and_port(tmp_path):
 def test_dynamic_rendezvous_without_torch_says_what_needs_torch(tmp_path):
     # torch made unimportable, as where it is not installed.
     code = (
-        "import sys; sys.modules['torch'] = None; from fastspawn._cli import main; "
+        "import sys; sys.modules['torch'] = None; from fastspawn._cli.main import main; "
         "sys.exit(main(sys.argv[1:]))"
     )
     for flags, named in (
@@ -333,7 +334,7 @@ def run_nodes(nodes: list[Node]) -> list[str]:
 def test_two_nodes_form_one_c10d_rendezvous(tmp_path):
     pytest.importorskip("torch.distributed")
     prog = write(tmp_path / "prog.py", ALL_REDUCE)
-    args = [*c10d(_cli.free_port(), "2"), prog]
+    args = [*c10d(topology.free_port(), "2"), prog]
     nodes = [Node(tmp_path, f"node{n}", args, {}) for n in range(2)]
     lines = run_nodes(nodes)
     assert lines == [f"rank {r} of 4 sum 40.0 restart 0" for r in range(4)]  # 10, then 4 x 10
@@ -342,7 +343,7 @@ def test_two_nodes_form_one_c10d_rendezvous(tmp_path):
 def test_a_failing_rank_restarts_both_nodes(tmp_path):
     pytest.importorskip("torch.distributed")
     prog = write(tmp_path / "prog.py", ALL_REDUCE)
-    args = [*c10d(_cli.free_port(), "2"), "--max-restarts", "1", prog]
+    args = [*c10d(topology.free_port(), "2"), "--max-restarts", "1", prog]
     nodes = [Node(tmp_path, f"node{n}", args, {"FAIL_ONCE": "1"}) for n in range(2)]
     lines = run_nodes(nodes)
     # Both agents restarted their group (the attempt in which rank 3 failed
@@ -386,7 +387,7 @@ def test_sigkill_of_one_node_shrinks_the_job(tmp_path):
     prog = write(tmp_path / "prog.py", SHRINK)
     up_dir = tmp_path / "up"
     up_dir.mkdir()
-    port = _cli.free_port()
+    port = topology.free_port()
     # Fast failure detection: node b's heartbeats are missed after 2 s, and
     # the shrunk rendezvous closes 1 s after node a rejoins alone.
     conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"

@@ -18,13 +18,16 @@ import workers
 from helpers import alive_after, gone, kill_driver, run_script
 
 import fastspawn
-from fastspawn import _hugepages, _zygote, _zygote_client, _zygote_protocol
+from fastspawn._os import hugepages
+from fastspawn._zygote import client, protocol
+from fastspawn._zygote import server as zygote_server
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 DRIVER = """
 import multiprocessing, sys, time, fastspawn, workers
-from fastspawn import _warden_client, _zygote_client
+from fastspawn._warden import client as _warden_client
+from fastspawn._zygote import client
 queue = multiprocessing.get_context("spawn").SimpleQueue()
 ctx = fastspawn.start_processes(
     workers.start_sleeper_child, (queue, sys.argv[1] == "daemons"), nprocs=16, join=False,
@@ -32,8 +35,8 @@ ctx = fastspawn.start_processes(
 pids = []
 for _ in range(16):
     pids.extend(queue.get())
-(guard,) = _zygote_client.helper_processes()[0] - {_zygote_client.zygote_pid()}
-print(guard, _zygote_client.zygote_pid(), " ".join(map(str, pids)), flush=True)
+(guard,) = client.helper_processes()[0] - {client.zygote_pid()}
+print(guard, client.zygote_pid(), " ".join(map(str, pids)), flush=True)
 try:
     while not ctx.join():
         pass
@@ -126,9 +129,9 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
             time.sleep(0.05)
         for name in os.listdir(folder):
             pids += map(int, (folder / name).read_text().split())
-        zygote = _zygote_client.zygote_pid()
+        zygote = client.zygote_pid()
         assert zygote is not None
-        (guard,) = _zygote_client.helper_processes()[0] - {zygote}
+        (guard,) = client.helper_processes()[0] - {zygote}
         thread.start()
         while not importing.exists():
             assert time.monotonic() < deadline + 30, "the zygote did not start the import"
@@ -160,8 +163,8 @@ def test_guard_killed_before_it_forks_the_zygote_is_seen_at_once(monkeypatch):
     # held it there for its 10 s deadline, and every launch meanwhile
     # (alive() waits for the watcher) with it.
     fastspawn.stop_zygote()
-    monkeypatch.setattr(_zygote_client, "_ENTRY", "import time; time.sleep(60)")
-    server = _zygote_client.get_server()
+    monkeypatch.setattr(client, "_ENTRY", "import time; time.sleep(60)")
+    server = client.get_server()
     monkeypatch.undo()
     os.kill(server.pid, signal.SIGKILL)
     assert server.dead.wait(5), "the watcher did not see the guard die"
@@ -179,20 +182,21 @@ def test_caller_that_is_a_subreaper_reaps_the_zygote_its_guard_left(tmp_path):
         sys.path.insert(0, sys.argv[1])
         import psutil
         import fastspawn, workers
-        from fastspawn import _warden_client, _zygote_client
+        from fastspawn._warden import client as _warden_client
+        from fastspawn._zygote import client
 
         if __name__ == "__main__":
             PR_SET_CHILD_SUBREAPER = 36
             assert ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
             ctx = fastspawn.start_processes(workers.sleep_forever, nprocs=2, join=False)
-            zygote = _zygote_client.zygote_pid()
-            os.kill(_zygote_client._server.pid, signal.SIGKILL)  # the guard
+            zygote = client.zygote_pid()
+            os.kill(client._server.pid, signal.SIGKILL)  # the guard
             try:
                 while not ctx.join(timeout=30):
                     pass
             except fastspawn.ProcessExitedException:
                 print("raised")
-            assert _zygote_client._server.dead.wait(30)
+            assert client._server.dead.wait(30)
             deadline = time.monotonic() + 5
             while psutil.pid_exists(zygote) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -263,7 +267,7 @@ def test_zygote_closes_what_it_opened_under_dev_mode(tmp_path):
 
 def test_caller_sees_zygote_death_and_recovers(caplog):
     ctx = fastspawn.start_processes(workers.sleep_forever, nprocs=4, join=False)
-    zygote = _zygote_client.zygote_pid()
+    zygote = client.zygote_pid()
     os.kill(zygote, signal.SIGKILL)
     began = time.monotonic()
     with pytest.raises(fastspawn.ProcessExitedException, match="SIGKILL"):
@@ -286,18 +290,18 @@ def test_worker_children_die_with_their_worker():
 
 
 def test_one_message_per_launch(monkeypatch):
-    _zygote_client.get_server()  # started, so its hello message is not counted
+    client.get_server()  # started, so its hello message is not counted
     sent = []
-    original = _zygote_client.ZygoteClient.send
+    original = client.ZygoteClient.send
 
     def counting(self, message, fds=(), locked=False):
         sent.append(message.op)
         return original(self, message, fds, locked)
 
-    monkeypatch.setattr(_zygote_client.ZygoteClient, "send", counting)
+    monkeypatch.setattr(client.ZygoteClient, "send", counting)
     ctx = fastspawn.start_processes(workers.succeed, nprocs=32)
     assert ctx.return_values == {rank: rank for rank in range(32)}
-    assert sent == [_zygote_protocol.LAUNCH]
+    assert sent == [protocol.LAUNCH]
 
 
 def test_workers_are_children_of_the_zygote_and_thread_free():
@@ -310,7 +314,7 @@ def test_workers_are_children_of_the_zygote_and_thread_free():
     finally:
         stop.set()
         busy.join()
-    assert {ppid for _pid, ppid in ctx.return_values.values()} == {_zygote_client.zygote_pid()}
+    assert {ppid for _pid, ppid in ctx.return_values.values()} == {client.zygote_pid()}
     assert threads.return_values == {0: 1, 1: 1}
 
 
@@ -394,8 +398,8 @@ def test_caller_cwd_reaches_workers(tmp_path, monkeypatch):
 
 
 def test_zygote_ignores_terminal_interrupt():
-    _zygote_client.get_server()
-    zygote = _zygote_client.zygote_pid()
+    client.get_server()
+    zygote = client.zygote_pid()
     os.kill(zygote, signal.SIGINT)
     time.sleep(0.2)
     assert not gone(zygote)
@@ -417,7 +421,7 @@ def test_unguarded_main_is_an_error_not_a_process_storm(tmp_path):
     assert done.returncode != 0
     assert "bootstrapping phase" in done.stderr
     # Each rank fails as a spawned one would, with the traceback.
-    assert "fastspawn._errors.ProcessRaisedException" in done.stderr
+    assert "fastspawn._launch.errors.ProcessRaisedException" in done.stderr
     assert "the main module could not be imported in the zygote" in done.stderr
 
 
@@ -455,26 +459,26 @@ def test_main_module_that_exits_at_import_exits_every_rank_so(tmp_path):
 
 
 def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatch):
-    _zygote_client.get_server()
-    zygote = _zygote_client.zygote_pid()
-    server = _zygote_client._server
+    client.get_server()
+    zygote = client.zygote_pid()
+    server = client._server
     os.kill(zygote, signal.SIGKILL)
     server.dead.wait(30)  # the zygote is gone: its control socket is closed
     calls = []
-    original = _zygote_client.ZygoteClient.alive
+    original = client.ZygoteClient.alive
 
     def stale_once(self):
         calls.append(self.pid)
         return True if len(calls) == 1 else original(self)
 
-    monkeypatch.setattr(_zygote_client.ZygoteClient, "alive", stale_once)
+    monkeypatch.setattr(client.ZygoteClient, "alive", stale_once)
     ctx = fastspawn.start_processes(workers.succeed, nprocs=2)
     assert ctx.return_values == {0: 0, 1: 1}
     assert calls[0] == server.pid and len(calls) >= 2
 
 
 def _anon_huge_kib(pid: int) -> int:
-    return _hugepages.smaps_rollup(pid)["AnonHugePages"]
+    return hugepages.smaps_rollup(pid)["AnonHugePages"]
 
 
 def test_workers_skip_the_zygotes_objects_in_gc_but_collect_their_own():
@@ -484,14 +488,14 @@ def test_workers_skip_the_zygotes_objects_in_gc_but_collect_their_own():
         assert collected >= 1  # the worker's own cycle
 
 
-@pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
+@pytest.mark.skipif(not hugepages.wanted(), reason="no huge pages to collapse into here")
 def test_idle_zygote_collapses_its_heap_into_huge_pages():
     fastspawn.stop_zygote()
     # A huge page may be unavailable for a moment (memory fragmented): a
     # second launch that imports a module queues the heap again.
     for module in ("big_heap", "preload_probe"):
         fastspawn.start_processes(workers.succeed, nprocs=1, preload=[module])
-        zygote = _zygote_client.zygote_pid()
+        zygote = client.zygote_pid()
         deadline = time.monotonic() + 10
         while _anon_huge_kib(zygote) == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -504,16 +508,16 @@ def test_idle_zygote_collapses_its_heap_into_huge_pages():
     assert ctx.return_values == {rank: True for rank in range(4)}
 
 
-@pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
-@pytest.mark.skipif(not _hugepages.pymalloc_in_use(), reason="pymalloc (its arenas) is off")
+@pytest.mark.skipif(not hugepages.wanted(), reason="no huge pages to collapse into here")
+@pytest.mark.skipif(not hugepages.pymalloc_in_use(), reason="pymalloc (its arenas) is off")
 def test_zygote_places_its_arenas_in_one_aligned_region_before_its_imports():
     fastspawn.stop_zygote()
     ctx = fastspawn.start_processes(workers.arena_region, nprocs=2, preload=["big_heap"])
-    zygote = _zygote_client.zygote_pid()
+    zygote = client.zygote_pid()
     regions = set(ctx.return_values.values())
     assert len(regions) == 1  # inherited by every worker
     ((base, size, used),) = regions
-    assert base % (2 << 20) == 0 and size == _hugepages.ARENA_REGION
+    assert base % (2 << 20) == 0 and size == hugepages.ARENA_REGION
     # The zygote's own imports (fastspawn._server and what it pulls in) came
     # after the region: several arenas of objects, not just the preload's.
     assert used >= 2 << 20
@@ -522,13 +526,13 @@ def test_zygote_places_its_arenas_in_one_aligned_region_before_its_imports():
     assert starts.get(base) == "rw-p"  # in use from its start on
 
 
-@pytest.mark.skipif(not _hugepages.wanted(), reason="no huge pages to collapse into here")
+@pytest.mark.skipif(not hugepages.wanted(), reason="no huge pages to collapse into here")
 def test_a_large_launch_collapses_the_zygote_before_forking():
     # big_heap's ~20 MiB arrive with the launch: with no idle time before
     # the fork, only collapsing first can hand them to workers as huge pages
     # (the zygote's own collapsible memory is under 8 MiB).
     fastspawn.stop_zygote()
-    nprocs = _zygote._COLLAPSE_BEFORE_FORKING
+    nprocs = zygote_server.COLLAPSE_BEFORE_FORKING
     ctx = fastspawn.start_processes(workers.own_huge_kib, nprocs=nprocs, preload=["big_heap"])
     assert ctx.return_values[0] >= 8 << 10, ctx.return_values[0]
 
@@ -538,7 +542,7 @@ def test_hugepages_opt_out(monkeypatch):
     fastspawn.stop_zygote()
     try:
         fastspawn.start_processes(workers.succeed, nprocs=1, preload=["big_heap"])
-        zygote = _zygote_client.zygote_pid()
+        zygote = client.zygote_pid()
         time.sleep(1.0)  # idle time in which it would have collapsed
         assert _anon_huge_kib(zygote) == 0
         ctx = fastspawn.start_processes(workers.arena_region, nprocs=1)
@@ -648,13 +652,13 @@ def test_a_group_with_only_a_zombie_left_has_no_live_members():
     # zombie once the zygote has shut down.
     leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        assert _zygote_client._group_has_live_members(leader.pid)
+        assert client._group_has_live_members(leader.pid)
         leader.kill()
         deadline = time.monotonic() + 10
         while _state(leader.pid) != "Z" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _state(leader.pid) == "Z"  # unreaped
-        assert not _zygote_client._group_has_live_members(leader.pid)
+        assert not client._group_has_live_members(leader.pid)
     finally:
         leader.kill()
         leader.wait()

@@ -8,10 +8,12 @@ import os
 import signal
 import socket
 
-from fastspawn import _oscall, _worker
-from fastspawn._channel import Receiver
-from fastspawn._launch import LaunchRequest, Started
-from fastspawn._methods import common, registry
+from fastspawn._launch.methods import common, registry
+from fastspawn._launch.methods.base import LaunchRequest, Started
+from fastspawn._os import oscall
+from fastspawn._wire.channel import Receiver
+from fastspawn._worker import forked as worker_forked
+from fastspawn._worker import runner
 
 
 class Toy(common.ChildrenOfCaller):
@@ -19,7 +21,7 @@ class Toy(common.ChildrenOfCaller):
     pickles_arguments = False
 
     def launch(self, req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
-        spec = _worker.ForkSpec(
+        spec = worker_forked.ForkSpec(
             os.getpid(),
             req.fn,
             req.args,
@@ -28,15 +30,15 @@ class Toy(common.ChildrenOfCaller):
             envs=req.envs,
             close_fds=[rx.fileno()],
         )
-        _worker.flush_std_streams()
+        runner.flush_std_streams()
         try:
             for rank in range(req.nprocs):
-                with _oscall.held_signals():
+                with oscall.held_signals():
                     pid = os.fork()
                     if pid == 0:
                         signal.pthread_sigmask(signal.SIG_SETMASK, set())
-                        _worker.forked_child(spec, rank)
-                    started.append((pid, _oscall.pidfd_open(pid)))
+                        worker_forked.forked_child(spec, rank)
+                    started.append((pid, oscall.pidfd_open(pid)))
         except BaseException:
             common.end_group(req, started)
             raise

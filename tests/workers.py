@@ -355,17 +355,17 @@ def gc_state(rank: int) -> tuple[int, int]:
 
 def arena_region(rank: int) -> tuple[int, int, int]:
     """The object-arena region this worker inherited from the zygote."""
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
-    return _hugepages.arena_region()
+    return hugepages.arena_region()
 
 
 def own_huge_kib(rank: int) -> int:
     """This worker's memory still mapped as huge pages (shared with the
     zygote as it was when this worker was forked)."""
-    from fastspawn import _hugepages
+    from fastspawn._os import hugepages
 
-    return _hugepages.smaps_rollup()["AnonHugePages"]
+    return hugepages.smaps_rollup()["AnonHugePages"]
 
 
 def fd_targets(rank: int) -> list[str]:
@@ -734,7 +734,7 @@ def gloo_all_reduce_or_raise(rank: int, store_path: str, ready: Any) -> None:
 def stack_memfds_then_wait(rank: int, queue: Any) -> None:
     """Report the stack memfds this worker holds, and whether it catches
     the stack signal, then wait."""
-    from fastspawn import _worker
+    from fastspawn._worker import stacks as worker_stacks
 
     links = []
     for name in os.listdir("/proc/self/fd"):
@@ -746,7 +746,7 @@ def stack_memfds_then_wait(rank: int, queue: Any) -> None:
             links.append(link)
     with open("/proc/self/status") as f:
         caught = next(line for line in f if line.startswith("SigCgt:"))
-    catches = bool(int(caught.split()[1], 16) >> (_worker.STACKS_SIGNAL - 1) & 1)
+    catches = bool(int(caught.split()[1], 16) >> (worker_stacks.STACKS_SIGNAL - 1) & 1)
     queue.put((rank, links, catches))
     wait_in_sleep()
 
@@ -757,7 +757,7 @@ def nested_fork_launch(rank: int, stacks: bool) -> tuple[Any, dict[int, str], An
     after."""
     import multiprocessing
 
-    from fastspawn import _stacks
+    from fastspawn._launch import stacks as _stacks
 
     before = _stacks.find_memfd(os.getpid())
     queue = multiprocessing.get_context("fork").SimpleQueue()

@@ -1,0 +1,284 @@
+"""The floor: a bare ``os.fork()`` loop in a small helper interpreter
+(``floor``), or in one the zygote's size (``floor-sized``), that forks the
+ranks when the bench asks and reports on them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+from typing import TYPE_CHECKING
+
+from fastspawn._bench import ranks as _ranks
+from fastspawn._bench.common import FLOOR, BenchError
+from fastspawn._bench.methods import Method, describe_exit
+from fastspawn._bench.ranks import _RECORD, ENTERED, EXITED, FAILED
+from fastspawn._bench.session import Launched, Session
+from fastspawn._zygote.protocol import MAIN_MODULE
+
+if TYPE_CHECKING:
+    from fastspawn._bench.ranks import RankSpec
+    from fastspawn._os.helper import HelperClient
+
+
+class FloorLaunched(Launched):
+    """The ranks that one request to the floor's helper forked.
+
+    The helper reaps them and reports each exit, so ``join`` only reads its
+    reports; a rank still unreaped is SIGKILLed by pid (ours to signal: same
+    user), never after its exit was reported (its pid may be reused).
+    """
+
+    def __init__(self, helper: HelperClient, nprocs: int) -> None:
+        import select
+
+        self.helper = helper
+        self.expected = nprocs  # lowered to the ranks forked if a fork fails
+        self.forked: list[int] = []  # pid by rank
+        self.codes: dict[int, int] = {}  # rank -> exit code (-N: signal N), once reaped
+        self.fork_errno = 0
+        self.requested = False
+        self.poller = select.poll()
+        self.poller.register(helper.control, select.POLLIN)
+        self.poller.register(helper.pidfd, select.POLLIN)
+
+    def start(self, round_id: int, fail_rank: int) -> None:
+        """Ask for the ranks and wait for their pids.
+
+        Raises:
+            OSError: a fork failed in the helper (the ranks before it run).
+            BenchError: the helper is gone.
+        """
+        self.requested = True
+        self.helper.control.send(_FLOOR_REQUEST.pack(round_id, self.expected, fail_rank))
+        while len(self.forked) < self.expected:
+            self._receive(None)
+        if self.fork_errno:
+            raise OSError(
+                self.fork_errno,
+                f"{os.strerror(self.fork_errno)} (from os.fork in the floor's helper, "
+                f"rank {len(self.forked)})",
+            )
+
+    def _receive(self, timeout_ms: int | None) -> bool:
+        """Take in one message of reports; False if none came in time.
+
+        Raises:
+            BenchError: the helper exited (its pidfd polls readable and it
+                left nothing to read).
+        """
+        import socket
+
+        if not self.poller.poll(timeout_ms):
+            return False
+        try:
+            data = self.helper.control.recv(_FLOOR_CHUNK * _FLOOR_REPLY.size, socket.MSG_DONTWAIT)
+        except OSError:
+            data = b""  # only the pidfd is readable (or the socket broke)
+        if not data:
+            raise BenchError(f"the floor's helper (pid {self.helper.pid}) exited")
+        for event, rank, value in _FLOOR_REPLY.iter_unpack(data):
+            if event == FORKED:
+                self.forked.append(value)
+            elif event == ENDED:
+                self.codes[rank] = value
+            else:  # NOT_FORKED: the helper forks no further rank
+                self.fork_errno, self.expected = value, rank
+        return True
+
+    def pids(self) -> list[int]:
+        return list(self.forked)
+
+    def problem(self) -> str | None:
+        try:
+            while self._receive(0):
+                pass
+        except BenchError as exc:
+            return str(exc)
+        if not self.codes:
+            return None
+        rank = min(self.codes)
+        return describe_exit(rank, self.forked[rank], self.codes[rank])
+
+    def _wait_all_reaped(self) -> None:
+        while len(self.codes) < len(self.forked):
+            self._receive(None)
+
+    def _kill_unreaped(self) -> None:
+        for rank, pid in enumerate(self.forked):
+            if rank not in self.codes:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # exited; its report is on the way
+
+    def join(self) -> None:
+        self._wait_all_reaped()
+        failed = sorted(rank for rank, code in self.codes.items() if code != 0)
+        if failed:
+            rank = failed[0]
+            raise BenchError(
+                f"rank {rank} (pid {self.forked[rank]}) ended with exit status "
+                f"{self.codes[rank]} after its release"
+            )
+
+    def join_failure(self) -> None:
+        # The least a caller can do: wait for a rank's failure, SIGKILL the
+        # others, know them all reaped.
+        while not any(code != 0 for code in self.codes.values()):
+            if len(self.codes) == len(self.forked):
+                raise BenchError(f"no rank failed as planned; exit codes {self.codes}")
+            self._receive(None)
+        self._kill_unreaped()
+        self._wait_all_reaped()
+
+    def kill(self) -> None:
+        if not self.requested:
+            return
+        # Bounded waits: a report lost to an interruption must not hang the
+        # clean-up (ranks nobody releases exit once the bench or helper is gone).
+        try:
+            while len(self.forked) < self.expected and self._receive(2000):
+                pass
+            self._kill_unreaped()
+            while len(self.codes) < len(self.forked) and self._receive(2000):
+                pass
+        except BenchError:
+            self._kill_unreaped()  # the helper is gone: whoever adopted them reaps them
+
+
+# The floor's wire: the bench asks its helper for ranks, the helper reports
+# on them.  The program below gets these formats and numbers in its argv.
+_FLOOR_REQUEST = struct.Struct("<iii")  # round id, nprocs, the rank that must fail or -1
+_FLOOR_REPLY = struct.Struct("<iii")  # event, rank, pid (FORKED) / exit code (ENDED) / errno
+FORKED, ENDED, NOT_FORKED = 1, 2, 3
+_FLOOR_CHUNK = 1024  # reports per message: far below a SOCK_SEQPACKET message's size limit
+
+# The floor's helper: run as ``python -I -S -c`` (no site, no fastspawn, no
+# multiprocessing), it imports os, select, signal, struct and time.  Each
+# request forks the ranks in a bare loop; a rank reports entry, waits for
+# SIGUSR1, reports exit (or failure) as rank_main does, and _exits.  The
+# helper then reaps them, reporting each exit status.  It ends at the bench's
+# EOF, or with the bench (PR_SET_PDEATHSIG); a rank ends by itself once the
+# bench or the helper is gone.
+_FLOOR_PROGRAM = """\
+import os, select, signal, struct, sys, time
+
+fifo, record_format, request_format, reply_format, *numbers = sys.argv[1:]
+ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, CHUNK, control, bench_pid = map(int, numbers)
+record, request, reply = map(struct.Struct, (record_format, request_format, reply_format))
+# Blocked before any fork: a release stays pending until sigtimedwait takes it.
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+bench = os.pidfd_open(bench_pid)
+out = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)
+helper = os.getpid()
+
+
+def rank_main(round_id, rank, fail_rank):
+    entered = time.monotonic()
+    os.write(out, record.pack(round_id, rank, ENTERED, entered))
+    poller = select.poll()
+    poller.register(bench, select.POLLIN)
+    while signal.sigtimedwait([signal.SIGUSR1], 1.0) is None:
+        if poller.poll(0) or os.getppid() != helper:
+            os._exit(1)  # the bench or the helper is gone: nobody will release or reap us
+    kind = FAILED if rank == fail_rank else EXITED
+    os.write(out, record.pack(round_id, rank, kind, time.monotonic()))
+    os._exit(1 if kind == FAILED else 0)
+
+
+def fork_ranks(round_id, nprocs, fail_rank):
+    forked, reports = {}, []
+    for rank in range(nprocs):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            reports.append(reply.pack(NOT_FORKED, rank, exc.errno or 0))
+            break
+        if pid == 0:
+            try:
+                rank_main(round_id, rank, fail_rank)
+            except BaseException as exc:
+                os.write(2, f"fastspawn bench: floor rank {rank}: {exc!r}\\n".encode())
+            finally:
+                os._exit(1)
+        forked[pid] = rank
+        reports.append(reply.pack(FORKED, rank, pid))
+    for start in range(0, len(reports), CHUNK):
+        os.write(control, b"".join(reports[start : start + CHUNK]))
+    return forked
+
+
+def reap(forked):
+    while forked:
+        pid, status = os.wait()
+        os.write(control, reply.pack(ENDED, forked.pop(pid), os.waitstatus_to_exitcode(status)))
+
+
+while message := os.read(control, request.size):  # b"": the bench closed its end
+    reap(fork_ranks(*request.unpack(message)))
+"""
+
+
+# The sized floor's helper makes itself the zygote's size before the same
+# loop: the modules a zygote serving the bench holds (its own, the worker's,
+# multiprocessing, this module, where the ranks' function lives: the same
+# set, checked), with site, and the zygote's memory treatment: gc.freeze(),
+# the object arenas in one region collapsed into huge pages where the
+# zygote does that.  A fork costs more from a bigger process (more page
+# tables to copy, more pages to fault in): this floor is what a rank forked
+# from a process that size costs at the least.
+_SIZED_PREFIX = f"""\
+from fastspawn._os import hugepages
+if hugepages.wanted():
+    hugepages.place_arenas()
+import gc, multiprocessing.spawn, pkgutil, resource, runpy, {MAIN_MODULE}, {_ranks.__name__}
+gc.freeze()
+for address in hugepages.collapsible_ranges() if hugepages.wanted() else ():
+    hugepages.collapse(address)
+"""
+
+
+class FloorMethod(Method):
+    """The floor: a small helper interpreter, started untimed, forks the
+    ranks in a bare ``os.fork()`` loop when asked (see ``_FLOOR_PROGRAM``);
+    ``floor-sized`` the same from a helper the zygote's size.
+
+    The request's round trip over the socketpair is part of what it measures,
+    as a launch call is part of every other method's.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.helper: HelperClient | None = None
+
+    def setup(self, session: Session) -> None:
+        from fastspawn._os.helper import HelperClient
+
+        formats = [_RECORD.format, _FLOOR_REQUEST.format, _FLOOR_REPLY.format]
+        numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, _FLOOR_CHUNK]
+        if self.name == FLOOR:
+            argv = ["-I", "-S", "-c", _FLOOR_PROGRAM]
+        else:
+            argv = ["-c", _SIZED_PREFIX + _FLOOR_PROGRAM]
+        argv += [session.reports.path, *formats]
+        # PR_SET_PDEATHSIG: a bench killed outright takes its helper along.
+        self.helper = HelperClient([*argv, *map(str, numbers)], pdeathsig=signal.SIGKILL)
+
+    def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
+        if self.helper is None:
+            raise BenchError("the floor's helper is not started")
+        launched = FloorLaunched(self.helper, nprocs)
+        session.live.append(launched)
+        _fifo, _bench_pid, round_id, _modules, _payload, fail_rank = spec
+        launched.start(round_id, fail_rank)
+        return launched
+
+    def helper_pids(self) -> list[int]:
+        return [self.helper.pid] if self.helper is not None else []
+
+    def teardown(self) -> None:
+        if self.helper is not None:
+            self.helper.kill_and_reap()
+            self.helper.control.close()
+            self.helper = None

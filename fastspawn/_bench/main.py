@@ -1,0 +1,276 @@
+"""``fastspawn bench``: a run measured, reported and torn down whatever
+stops it; the JSON output's schema."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastspawn._bench.common import SCHEMA_ID, BenchError, UsageError
+from fastspawn._bench.host import check_limits, machine
+from fastspawn._bench.options import Options, build_parser, import_all
+from fastspawn._bench.rounds import Progress, make_method, summed_uss, sweep
+from fastspawn._bench.session import Launched, Reports, Session
+from fastspawn._bench.summary import format_table, plot, summarize
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+    from types import TracebackType
+
+    from fastspawn._bench.ranks import Record
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is: stop everything, exit 128+15."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+class _BareMain:
+    """Hide this process's ``__main__`` (the CLI) while measuring.
+
+    multiprocessing's preparation data names the caller's main module, and
+    every spawn-like rank (of any launcher here) re-imports it: for this CLI
+    that is argparse and fastspawn.elastic, ~60 ms per rank that measure the
+    bench, not the launch.  A bare module leaves them nothing to import.
+    """
+
+    def __enter__(self) -> None:
+        import types
+
+        self.saved = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        sys.modules["__main__"] = self.saved
+
+
+class _Quiet:
+    """Silence the launchers' per-rank teardown warnings ("Terminating
+    process ...") in failure rounds, and Python 3.12's warning about fork in
+    a process with threads (the zygote client's watcher thread)."""
+
+    LOGGERS = ("fastspawn", "torch.multiprocessing")
+
+    def __enter__(self) -> None:
+        import logging
+        import warnings
+
+        self.levels = [(logging.getLogger(n), logging.getLogger(n).level) for n in self.LOGGERS]
+        for logger, _ in self.levels:
+            logger.setLevel(logging.ERROR)
+        self.warnings = warnings.catch_warnings()
+        self.warnings.__enter__()
+        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks")
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for logger, level in self.levels:
+            logger.setLevel(level)
+        self.warnings.__exit__(kind, exc, tb)
+
+
+def _child_pids() -> set[int]:
+    """This process's children, from /proc (ppid field of each stat)."""
+    me = os.getpid()
+    children = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+            if int(data[data.rindex(b")") + 2 :].split()[1]) == me:
+                children.add(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return children
+
+
+def stop_everything(live: list[Launched], children_before: set[int]) -> None:
+    """Kill and reap every process the bench started, by pid."""
+    for launched in reversed(live):
+        try:
+            launched.kill()
+        except Exception:  # keep going: the sweep below still gets them
+            pass
+    live.clear()
+    import fastspawn
+
+    fastspawn.stop_zygote()  # its workers we may not know of die with it
+    # Whatever else we started (a launch interrupted before its handle
+    # existed, multiprocessing's forkserver and resource tracker).  Ranks
+    # that are not our children exit by themselves once we are gone.
+    leftovers = _child_pids() - children_before
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in leftovers:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _say(text: str) -> None:
+    print(f"fastspawn bench: {text}", file=sys.stderr)
+
+
+def measure(
+    options: Options, reports: Reports, live: list[Launched], children_before: set[int]
+) -> list[Record]:
+    """Run the sweep; whatever happens, nothing it started outlives it."""
+    import shutil
+
+    problem = check_limits(max(options.nprocs), options.methods, reports)
+    if problem is not None:
+        raise UsageError(problem)
+    import_all(options.imports)
+    if summed_uss([os.getpid()]) is None:
+        _say("psutil is missing or denied: USS not measured (pip install 'fastspawn[bench]')")
+    binary = shutil.which("true") or "/bin/true"
+    session = Session(reports, options.imports, options.payload_bytes, binary, live)
+    methods = [make_method(name) for name in options.methods]
+    progress = Progress(sys.stderr)
+    with _BareMain(), _Quiet():
+        try:
+            return sweep(methods, options.nprocs, options.repeat, session, progress)
+        except BaseException:
+            # Ctrl-C, SIGTERM or a failed round: a second signal must not cut
+            # the clean-up short (main restores the handlers).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            progress.clear()
+            stop_everything(live, children_before)
+            raise
+        finally:
+            import fastspawn
+
+            fastspawn.stop_zygote()
+            for method in methods:
+                method.teardown()
+
+
+def report(options: Options, records: list[Record], started: float) -> None:
+    """The table on stdout, then --json and --plot."""
+    described = machine()
+    summary = summarize(records, options.methods)
+    sys.stdout.write(format_table(summary, options.methods, options.repeat, described))
+    sys.stdout.flush()
+    if options.json is not None:
+        import json
+        import shutil
+
+        document = {
+            "schema": SCHEMA_ID,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "duration_s": time.time() - started,
+            "machine": described,
+            "config": {
+                "methods": options.methods,
+                "nprocs": options.nprocs,
+                "repeat": options.repeat,
+                "imports": options.imports,
+                "payload_bytes": options.payload_bytes,
+                "binary": shutil.which("true") or "/bin/true",
+                "argv": options.argv,
+            },
+            "rounds": records,
+            "summary": summary,
+        }
+        with open(options.json, "w") as f:
+            json.dump(document, f, indent=1)
+            f.write("\n")
+    if options.plot is not None:
+        title = (
+            f"fastspawn bench: {described['cpu']}, {described['usable_cores']} usable cores, "
+            f"{options.repeat} rounds per point (median, bars min-p90)"
+        )
+        plot(summary, options.methods, options.plot, title)
+
+
+def run(
+    args: argparse.Namespace, argv: Sequence[str], live: list[Launched], children_before: set[int]
+) -> int:
+    """Check the options, measure, report; returns the exit status."""
+    import tempfile
+
+    try:
+        options = Options(args, argv)
+    except UsageError as exc:
+        _say(f"error: {exc}")
+        return 2
+    for note in options.notes:
+        _say(note)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="fastspawn-bench-") as folder:
+        reports = Reports(folder)
+        try:
+            records = measure(options, reports, live, children_before)
+        except UsageError as exc:
+            _say(f"error: {exc}")
+            return 2
+        except BenchError as exc:
+            _say(
+                f"a measurement failed: {exc}\n(every process it started is stopped; "
+                "--methods with just that method reproduces it faster)"
+            )
+            return 1
+        finally:
+            reports.close()
+    report(options, records, started)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """``fastspawn bench ARGS``; returns the exit status."""
+    args = build_parser().parse_args(list(argv))
+    children_before = _child_pids()
+    live: list[Launched] = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return run(args, argv, live, children_before)
+    except KeyboardInterrupt as exc:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Done already when the sweep was running; this covers the rest
+        # (an interrupted import, say) and costs nothing twice.
+        stop_everything(live, children_before)
+        _say("interrupted; every process it started is stopped and reaped")
+        return 128 + int(getattr(exc, "signum", signal.SIGINT))
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+SCHEMA_FILE = "bench.schema.json"  # in this package, beside this module
+
+
+def load_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the ``--json`` document, shipped
+    with the package as ``bench.schema.json``."""
+    import json
+    from importlib import resources
+
+    text = (
+        resources.files(__name__.rpartition(".")[0])
+        .joinpath(SCHEMA_FILE)
+        .read_text(encoding="utf-8")
+    )
+    schema: dict[str, Any] = json.loads(text)
+    return schema

@@ -1,0 +1,277 @@
+"""``fastspawn bench``'s command line: its options, each checked, and the
+Options a run takes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from fastspawn._bench.common import ALL_METHODS, GROUPS, METHOD_HELP, UsageError
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+
+
+def parse_methods(text: str, torch_problem: str | None) -> tuple[list[str], list[str]]:
+    """(methods, notes) from ``--methods``: names and group names, comma-separated.
+
+    Raises:
+        UsageError: an unknown name, or torch-spawn asked for without torch.
+    """
+    wanted: list[str] = []
+    notes: list[str] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item == "all":
+            names = list(ALL_METHODS)
+            if torch_problem is not None:
+                names.remove("torch-spawn")
+                notes.append(f"torch-spawn left out: {torch_problem}")
+        elif item in GROUPS:
+            names = GROUPS[item]
+        elif item in METHOD_HELP:
+            names = [item]
+        else:
+            raise UsageError(
+                f"unknown method {item!r} in --methods; valid: {', '.join(ALL_METHODS)}, "
+                f"or a group: {', '.join(GROUPS)}, all"
+            )
+        if "torch-spawn" in names and item != "all" and torch_problem is not None:
+            raise UsageError(
+                f"torch-spawn needs torch, but {torch_problem}: install torch, or leave "
+                "torch-spawn out of --methods"
+            )
+        wanted.extend(n for n in names if n not in wanted)
+    if not wanted:
+        raise UsageError("--methods names no method")
+    # The table and the plot follow the canonical order, whatever the command line's.
+    return [m for m in ALL_METHODS if m in wanted], notes
+
+
+def parse_nprocs(text: str) -> list[int]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise UsageError(
+            f"--nprocs takes positive integers separated by commas, like 1,8,64; got {text!r}"
+        )
+    return values
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``64K``, ``1M`` or ``1G`` (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = cleaned, ""
+    if cleaned and cleaned[-1] in units:
+        number, unit = cleaned[:-1], cleaned[-1]
+    try:
+        value = int(number) * units[unit]
+    except ValueError:
+        raise UsageError(
+            f"--payload-bytes takes a size like 4096, 64K or 1M; got {text!r}"
+        ) from None
+    if value < 0:
+        raise UsageError(f"--payload-bytes must not be negative; got {text!r}")
+    return value
+
+
+def torch_problem() -> str | None:
+    """Why torch.multiprocessing cannot be used here, or None when it can."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    try:
+        importlib.import_module("torch.multiprocessing")
+    except Exception as exc:
+        return f"import torch failed ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+
+
+def _check_plot(path: str | None) -> None:
+    if path is None:
+        return
+    _check_output(path, "--plot")
+    import subprocess
+
+    # In a child: matplotlib in the bench itself would make every fork-based
+    # method fork a bigger process.
+    done = subprocess.run(
+        [sys.executable, "-c", "import matplotlib"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["import failed"])[-1]
+        raise UsageError(
+            f"--plot needs matplotlib, which this Python cannot import ({why}): "
+            "pip install 'fastspawn[plot]', or leave --plot out"
+        )
+
+
+def import_all(modules: Sequence[str]) -> None:
+    """Import --import's modules here first: fork-based ranks inherit them,
+    and a typo fails now rather than in every rank."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise UsageError(
+                f"--import {name}: cannot import it here ({type(exc).__name__}: {exc})"
+            ) from None
+
+
+DESCRIPTION = """\
+Measure how long starting worker processes takes on this machine, for
+fastspawn and the usual alternatives, in one run whose rounds interleave the
+methods (so drift on a noisy machine hits them all alike).
+
+Methods (--methods: names or groups fastspawn, mp, torch, floor, binary;
+default: all, torch-spawn only where torch imports):
+{methods}
+
+The floor is what forking a rank costs at the least on this machine: a small
+helper interpreter (python -I -S importing os, select, signal, struct and
+time; no fastspawn, no multiprocessing), started untimed, forks the ranks in
+a bare os.fork() loop when the bench asks over a socketpair, and reaps them.
+t0 is taken before the request, so its round trip counts, as a launch call
+counts for the others.  Its ranks report, wait and exit (or fail) as the
+others do, but import nothing (--import and --payload-bytes do not apply),
+and the failure round SIGKILLs the others.  floor-sized is the same loop in
+a helper the size of a zygote serving a small program (the same modules,
+gc.freeze(), its arenas in huge pages as the zygote's): a fork costs more
+from a bigger process, and this is what one of the zygote's size costs.
+
+Phases, per round, from t0 just before the launch call:
+  created          the launch call returned: start_processes(join=False), the
+                   last Process.start(), torch spawn(join=False), the last
+                   binary launch or Popen, floor's pids back from its helper
+  all running      every rank is inside fn: latest rank entry time - t0
+                   (CLOCK_MONOTONIC is system-wide)
+  exit->joined     last rank's return from fn to the join returning
+  failure->reaped  a separate round: once all ranks run one raises, the others
+                   sleep; from its raise until the caller has its exception and
+                   every rank is reaped (multiprocessing: wait on the sentinels,
+                   terminate the rest, join all, as users write it)
+  USS              psutil USS summed over the ranks while all are alive (the
+                   zygote's or forkserver's own USS is in the JSON)
+  all reaped       binary methods: call to every process reaped
+Each cell is the median (min-p90) over --repeat rounds.  The ratio column is
+a method's "all running" median over mp-spawn's ("all reaped" over
+binary-popen's for binaries); below 1 is faster.  Where floor ran, "vs floor"
+divides a Python method's "all running" median by floor's: how far above the
+floor each launcher starts its ranks.
+
+Spawn-like ranks re-import the caller's main module; the bench hides its own
+(this CLI), so they import only the rank function's module and --import's:
+add your program's heavy imports with --import to see what your ranks pay.
+With torch-spawn or --import torch the bench process itself imports torch,
+so fork-based methods then fork a process that holds torch.
+
+Exit status: 0 done; 1 a measurement failed (the message says which rank);
+2 bad options, a sweep over RLIMIT_NPROC or RLIMIT_NOFILE, --plot without
+matplotlib (checked before measuring anything); 130 on Ctrl-C (143 on SIGTERM),
+after every process the bench started is killed and reaped.
+"""
+
+EPILOG = """\
+examples:
+  fastspawn bench
+  fastspawn bench --methods fastspawn,mp --nprocs 1,8,64,256 --repeat 5 --json bench.json
+  fastspawn bench --import torch --methods fastspawn-zygote-warm,mp-spawn,torch-spawn --nprocs 8
+  fastspawn bench --methods fastspawn,mp,binary --nprocs 1,8,64 --repeat 3 --plot bench.png
+  fastspawn bench --methods floor,fastspawn,mp --nprocs 8,64 --repeat 3
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import argparse
+
+    methods = "\n".join(f"  {name:24} {text}" for name, text in METHOD_HELP.items())
+    parser = argparse.ArgumentParser(
+        prog="fastspawn bench",
+        description=DESCRIPTION.format(methods=methods),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--methods",
+        default="all",
+        metavar="LIST",
+        help="comma list of methods or groups (default: all)",
+    )
+    parser.add_argument(
+        "--nprocs",
+        default="1,8,64",
+        metavar="LIST",
+        help="comma list of rank counts (default: 1,8,64)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        metavar="R",
+        help="rounds per method and nprocs (default: 5)",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        default="",
+        metavar="MODULES",
+        help="comma list of modules every rank imports on entry, as your fn's module "
+        "would (the zygote and forkservers preload them), e.g. torch",
+    )
+    parser.add_argument(
+        "--payload-bytes",
+        default="0",
+        metavar="SIZE",
+        help="pass a bytes argument of this size (4096, 64K, 1M, ...) to every rank (default: 0)",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="write every raw sample and the machine here"
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw latency against nprocs per method (needs matplotlib: fastspawn[plot])",
+    )
+    return parser
+
+
+class Options:
+    """The command line, checked.
+
+    Raises:
+        UsageError: from the constructor, naming the bad option.
+    """
+
+    def __init__(self, args: argparse.Namespace, argv: Sequence[str]) -> None:
+        items = {part.strip() for part in args.methods.split(",")}
+        # torch is imported only where torch-spawn may run (it takes seconds).
+        problem = torch_problem() if items & {"all", "torch", "torch-spawn"} else None
+        self.methods, self.notes = parse_methods(args.methods, problem)
+        self.nprocs = parse_nprocs(args.nprocs)
+        if args.repeat < 1:
+            raise UsageError(f"--repeat must be at least 1; got {args.repeat}")
+        self.repeat: int = args.repeat
+        self.imports = [m.strip() for m in args.imports.split(",") if m.strip()]
+        self.payload_bytes = parse_size(args.payload_bytes)
+        _check_output(args.json, "--json")
+        _check_plot(args.plot)
+        self.json: str | None = args.json
+        self.plot: str | None = args.plot
+        self.argv = list(argv)

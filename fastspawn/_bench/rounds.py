@@ -1,0 +1,204 @@
+"""The rounds: one launch (or failure) of one method at one nprocs, its
+phases timed from the ranks' records; the sweep over methods and sizes."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from fastspawn._bench.common import FLOOR, BenchError
+from fastspawn._bench.floor import FloorMethod
+from fastspawn._bench.methods import (
+    BinaryFastspawn,
+    BinaryPopen,
+    FastspawnMethod,
+    Method,
+    MpMethod,
+    TorchMethod,
+)
+from fastspawn._bench.ranks import ENTERED, EXITED, FAILED
+from fastspawn._bench.session import Session
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from fastspawn._bench.ranks import Record
+    from fastspawn._launch.methods.registry import StartMethodName
+
+
+def make_method(name: str) -> Method:
+    """The method called ``name`` (one of :data:`ALL_METHODS`)."""
+    family, _, rest = name.partition("-")
+    if family == "fastspawn":
+        # fastspawn-<method>, or fastspawn-<method>-warm / -cold for the
+        # default method, whose long-lived process a launch may find running.
+        method, _, state = rest.partition("-")
+        # A name of METHOD_HELP, built from the registry's: one of its methods.
+        return FastspawnMethod(name, cast("StartMethodName", method), cold=state == "cold")
+    if family == "mp":
+        return MpMethod(name, rest)
+    if family == "torch":
+        return TorchMethod(name)
+    if family == FLOOR:
+        return FloorMethod(name)
+    if name == "binary-fastspawn":
+        return BinaryFastspawn(name)
+    return BinaryPopen(name, pdeathsig=name == "binary-popen-pdeathsig")
+
+
+# (phase, record key, unit)
+PHASE_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("created", "created_s", "s"),
+    ("running", "running_s", "s"),
+    ("joined", "joined_s", "s"),
+    ("failure", "failure_s", "s"),
+    ("reaped", "reaped_s", "s"),
+    ("uss", "uss_bytes", "bytes"),
+    ("helper_uss", "helper_uss_bytes", "bytes"),
+)
+PHASES: tuple[str, ...] = tuple(phase for phase, _, _ in PHASE_KEYS)
+_RECORD_KEYS = [key for _, key, _ in PHASE_KEYS] + ["rank_entry_s", "rank_exit_s"]
+
+
+def new_record(method: str, nprocs: int, round_no: int, kind: str) -> Record:
+    record: Record = {"method": method, "nprocs": nprocs, "round": round_no, "kind": kind}
+    record.update(dict.fromkeys(_RECORD_KEYS))
+    return record
+
+
+def summed_uss(pids: Sequence[int]) -> int | None:
+    """Summed USS of ``pids`` (psutil), or None without psutil or access."""
+    import importlib
+
+    try:
+        psutil = importlib.import_module("psutil")
+    except ImportError:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            total += int(psutil.Process(pid).memory_full_info().uss)
+        except psutil.AccessDenied:
+            return None
+        except psutil.NoSuchProcess:
+            raise BenchError(f"process {pid} vanished while the bench measured memory") from None
+    return total
+
+
+def python_round(
+    method: Method, nprocs: int, round_no: int, session: Session, failure: bool
+) -> Record:
+    """One launch (or failure) round of a Python method."""
+    import gc
+
+    method.prepare(session)
+    fail_rank = nprocs // 2 if failure else -1
+    spec = session.spec(fail_rank)
+    round_id = spec[2]
+    gc.collect()  # not in the timed part
+    t0 = time.monotonic()
+    launched = method.launch(nprocs, spec, session)
+    created = time.monotonic()
+    entries = session.reports.wait(round_id, ENTERED, nprocs, launched)
+    record = new_record(method.name, nprocs, round_no, "failure" if failure else "launch")
+    if failure:
+        launched.release([fail_rank])
+        launched.join_failure()
+        done = time.monotonic()
+        failed = session.reports.wait(round_id, FAILED, 1, None)
+        record["failure_s"] = done - failed[fail_rank]
+    else:
+        record["uss_bytes"] = summed_uss(launched.pids())
+        helpers = method.helper_pids()
+        record["helper_uss_bytes"] = summed_uss(helpers) if helpers else None
+        launched.release(range(nprocs))
+        launched.join()
+        joined = time.monotonic()
+        exits = session.reports.wait(round_id, EXITED, nprocs, None)
+        record["created_s"] = created - t0
+        record["running_s"] = max(entries.values()) - t0
+        record["joined_s"] = joined - max(exits.values())
+        record["rank_entry_s"] = [entries[rank] - t0 for rank in range(nprocs)]
+        record["rank_exit_s"] = [exits[rank] - t0 for rank in range(nprocs)]
+    session.live.remove(launched)
+    return record
+
+
+def binary_round(method: Method, nprocs: int, round_no: int, session: Session) -> Record:
+    """One round of a binary method: start ``nprocs`` binaries, reap them all."""
+    import gc
+
+    method.prepare(session)
+    gc.collect()
+    t0 = time.monotonic()
+    launched = method.launch(nprocs, session.spec(-1), session)
+    created = time.monotonic()
+    launched.join()
+    reaped = time.monotonic()
+    session.live.remove(launched)
+    record = new_record(method.name, nprocs, round_no, "launch")
+    record["created_s"] = created - t0
+    record["reaped_s"] = reaped - t0
+    return record
+
+
+class Progress:
+    """One self-erasing status line on stderr; silent unless it is a terminal."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.enabled = bool(stream is not None and stream.isatty())
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write("\r\x1b[K" + text)
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.enabled and self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def sweep(
+    methods: Sequence[Method],
+    nprocs_list: Sequence[int],
+    repeat: int,
+    session: Session,
+    progress: Progress,
+) -> list[Record]:
+    """Every method, nprocs and round; rounds interleave the methods."""
+
+    def one(method: Method, nprocs: int, round_no: int, failure: bool) -> Record:
+        try:
+            if method.binary:
+                return binary_round(method, nprocs, round_no, session)
+            return python_round(method, nprocs, round_no, session, failure)
+        except BenchError as exc:
+            raise BenchError(f"{method.name} with nprocs={nprocs}: {exc}") from exc
+        except Exception as exc:  # a launch refused (EAGAIN, ENOMEM, ...) or a rank failed
+            raise BenchError(
+                f"{method.name} with nprocs={nprocs}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    for method in methods:
+        progress.show(f"fastspawn bench: warming up {method.name}")
+        method.setup(session)
+        one(method, 1, 0, False)  # starts servers, fills caches; not recorded
+    records = []
+    for nprocs in nprocs_list:
+        for round_no in range(repeat):
+            # Rotate the order too, so that no method always follows the same one.
+            shift = round_no % len(methods)
+            for method in [*methods[shift:], *methods[:shift]]:
+                for failure in (False, True) if method.failure_round else (False,):
+                    progress.show(
+                        f"fastspawn bench: {method.name}  nprocs={nprocs}  "
+                        f"round {round_no + 1}/{repeat}{'  (failure)' if failure else ''}"
+                    )
+                    records.append(one(method, nprocs, round_no, failure))
+    progress.clear()
+    return records

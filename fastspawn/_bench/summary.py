@@ -1,0 +1,241 @@
+"""What the rounds come to: medians and ratios per method, nprocs and
+phase; the table printed and the plot drawn from them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastspawn._bench.common import ALL_METHODS, BASELINE, BINARY_BASELINE, FLOOR
+from fastspawn._bench.rounds import PHASE_KEYS, PHASES
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from fastspawn._bench.ranks import Record
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (0 < q < 1), interpolating linearly
+    between ranks (statistics' "inclusive" method, R's type 7)."""
+    import statistics
+
+    if not values:
+        raise ValueError("quantile of no values")
+    if len(values) == 1:
+        return float(values[0])  # statistics.quantiles wants two
+    cuts = statistics.quantiles(values, n=1000, method="inclusive")
+    return cuts[round(q * 1000) - 1]
+
+
+def _over(median: float, base: float | None) -> float | None:
+    return median / base if base is not None and base > 0 else None
+
+
+def summarize(records: Sequence[Record], methods: Sequence[str]) -> list[Record]:
+    """Median, p90 and min per method, nprocs and phase, with the ratio of
+    the median to the baseline's (mp-spawn; binary-popen for binaries) and,
+    for Python methods, to the floor's."""
+    values: dict[tuple[str, int, str], list[float]] = {}
+    for record in records:
+        for phase, key, _unit in PHASE_KEYS:
+            if record[key] is not None:
+                values.setdefault((record["method"], record["nprocs"], phase), []).append(
+                    record[key]
+                )
+    units = {phase: unit for phase, _, unit in PHASE_KEYS}
+    medians = {group: quantile(v, 0.5) for group, v in values.items()}
+    summary: list[Record] = []
+    for (method, nprocs, phase), samples in values.items():
+        binary = method.startswith("binary-")
+        baseline = BINARY_BASELINE if binary else BASELINE
+        median = medians[(method, nprocs, phase)]
+        ratio = _over(median, medians.get((baseline, nprocs, phase)))
+        floor = None if binary else medians.get((FLOOR, nprocs, phase))
+        summary.append(
+            {
+                "method": method,
+                "nprocs": nprocs,
+                "phase": phase,
+                "unit": units[phase],
+                "rounds": len(samples),
+                "median": median,
+                "p90": quantile(samples, 0.9),
+                "min": min(samples),
+                "ratio": ratio,
+                "baseline": baseline if ratio is not None else None,
+                "floor_ratio": _over(median, floor),
+            }
+        )
+    order = {name: i for i, name in enumerate(methods)}
+    summary.sort(key=lambda s: (s["nprocs"], order.get(s["method"], 99), PHASES.index(s["phase"])))
+    return summary
+
+
+def _number(value: float) -> str:
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    # As times are (97.3x, 1.25x) down to 0.10x, then two significant digits (0.054x).
+    return f"{_number(value)}x" if round(value, 2) >= 0.1 else f"{value:.2g}x"
+
+
+def _cell(stats: Record | None) -> str:
+    if stats is None:
+        return "-"
+    scale = 1000.0 if stats["unit"] == "s" else 1.0 / 2**20  # ms, MiB
+    med, low, p90 = (stats[k] * scale for k in ("median", "min", "p90"))
+    return f"{_number(med)} ({_number(low)}-{_number(p90)})"
+
+
+# (key, title); a key "field:phase" shows that field of the phase's summary.
+_PY_COLUMNS = [
+    ("created", "created"),
+    ("running", "all running"),
+    ("ratio:running", f"vs {BASELINE}"),
+    ("joined", "exit->joined"),
+    ("failure", "failure->reaped"),
+    ("uss", "USS MiB"),
+]
+_FLOOR_COLUMN = ("floor_ratio:running", f"vs {FLOOR}")  # after the baseline's, when floor ran
+_BIN_COLUMNS = [
+    ("created", "created"),
+    ("reaped", "all reaped"),
+    ("ratio:reaped", f"vs {BINARY_BASELINE}"),
+]
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _row(
+    name: str, nprocs: int, columns: Sequence[tuple[str, str]], stats: dict[Any, Record]
+) -> list[str]:
+    row = [name]
+    for key, _title in columns:
+        field, _, phase = key.rpartition(":")
+        found = stats.get((name, nprocs, phase))
+        row.append(_ratio(found[field] if found else None) if field else _cell(found))
+    return row
+
+
+def format_table(
+    summary: Sequence[Record], methods: Sequence[str], repeat: int, machine: Record
+) -> str:
+    """The terminal report: one block per nprocs, a row per method."""
+    stats = {(s["method"], s["nprocs"], s["phase"]): s for s in summary}
+    floor_ran = any(s["method"] == FLOOR for s in summary)
+    lines = [
+        f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90),",
+        "times in ms from the launch call (exit->joined: from the last rank's return;",
+        "failure->reaped: from the failing rank's raise); USS summed over the ranks.",
+        f"vs {BASELINE} / vs {BINARY_BASELINE}: this method's median over the baseline's "
+        "(below 1: faster).",
+    ]
+    py_columns = list(_PY_COLUMNS)
+    if floor_ran:
+        lines.append(
+            f"vs {FLOOR}: this method's all running median over {FLOOR}'s, a bare os.fork() "
+            "loop in a small interpreter."
+        )
+        py_columns.insert(py_columns.index(("ratio:running", f"vs {BASELINE}")) + 1, _FLOOR_COLUMN)
+    lines.append(
+        "machine: {cpu}, {cores} cores ({usable_cores} usable), Linux {kernel}, "
+        "Python {python}, fastspawn {fastspawn}".format(**machine)
+    )
+    for nprocs in sorted({s["nprocs"] for s in summary}):
+        lines.append("")
+        lines.append(f"nprocs={nprocs}")
+        for binary, columns in ((False, py_columns), (True, _BIN_COLUMNS)):
+            names = [m for m in methods if m.startswith("binary-") == binary]
+            names = [m for m in names if any((m, nprocs, p) in stats for p in PHASES)]
+            if not names:
+                continue
+            rows = [["binary method" if binary else "method"] + [title for _, title in columns]]
+            rows.extend(_row(name, nprocs, columns, stats) for name in names)
+            lines.extend(_grid(rows))
+    return "\n".join(lines) + "\n"
+
+
+_PANELS = [
+    ("created", "call -> processes created (ms)"),
+    ("running", "call -> all ranks in fn (ms)"),
+    ("joined", "last exit -> join returned (ms)"),
+    ("failure", "failure -> all reaped (ms)"),
+    ("uss", "summed USS of the ranks (MiB)"),
+    ("reaped", "binaries: call -> all reaped (ms)"),
+]
+
+
+def plot(summary: Sequence[Record], methods: Sequence[str], path: str, title: str) -> None:
+    """Median latency (bars: min to p90) against nprocs, log-log, a panel per phase."""
+    import importlib
+
+    matplotlib = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")  # no display needed
+    plt = importlib.import_module("matplotlib.pyplot")
+    panels = [(p, t) for p, t in _PANELS if any(s["phase"] == p for s in summary)]
+    cols = 3 if len(panels) > 4 else 2
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
+    ticker = importlib.import_module("matplotlib.ticker")
+    # A fixed color per method, whatever subset runs: tab10 plus three.
+    palette = [*plt.get_cmap("tab10").colors, "black", "goldenrod", "grey"]
+    ticks = sorted({s["nprocs"] for s in summary})
+    styles = {"fastspawn": "-", "mp": "--", "torch": ":", "floor": "-", "binary": "-."}
+    handles: dict[str, Any] = {}
+    for ax, (phase, panel_title) in zip(axes.flat, panels, strict=False):
+        scale = 1000.0 if phase != "uss" else 1.0 / 2**20
+        for name in methods:
+            points = sorted(
+                (s["nprocs"], s["median"] * scale, s["min"] * scale, s["p90"] * scale)
+                for s in summary
+                if s["method"] == name and s["phase"] == phase
+            )
+            if not points:
+                continue
+            xs, med, low, high = (list(column) for column in zip(*points, strict=True))
+            line = ax.errorbar(
+                xs,
+                med,
+                yerr=[
+                    [m - lo for m, lo in zip(med, low, strict=True)],
+                    [h - m for m, h in zip(med, high, strict=True)],
+                ],
+                marker="o",
+                markersize=3,
+                capsize=2,
+                linestyle=styles[name.split("-", 1)[0]],
+                color=palette[ALL_METHODS.index(name) % len(palette)],
+                label=name,
+            )
+            handles[name] = line
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ticks)
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("nprocs")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=10)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(handles) + 3) // 4), 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

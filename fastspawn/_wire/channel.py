@@ -1,0 +1,269 @@
+"""The per-launch report channel: workers (and the server) to the caller.
+
+One SOCK_SEQPACKET socketpair per launch.  The caller keeps the receiving end;
+every worker of the launch (and the fork server, when one launched them)
+holds the sending end.  The pair is private to this process tree: nothing
+goes through the file system, so no other local user can plant a report, and
+nothing is left behind.
+
+Each message is a header (rank, kind, flags) and a body of at most
+``CHUNK`` bytes; seqpacket keeps message boundaries and sends each whole, so
+concurrent writers never interleave.  Longer bodies travel as several
+messages, the last one flagged.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import os
+import socket
+import struct
+
+HEADER = struct.Struct("<iBB")
+CHUNK = 32 * 1024
+LAST = 1
+
+RESULT = 1  # body: pickled return value
+ERROR = 2  # body: the worker's formatted traceback, UTF-8
+UNPICKLABLE = 3  # body: why the return value could not be pickled, UTF-8
+EXIT = 4  # body: int32 (rank, exit status) pairs (server)
+PIDS = 5  # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
+LAUNCH_FAILED = 6  # body: a LaunchFailure (rank -1)
+GROUP = 7  # body: int32 id of the launch's process group (server, rank -1)
+
+MAX_FDS = 250  # SCM_MAX_FD is 253 per message
+
+
+class LaunchFailure:
+    """Why a launch's ranks could not start (LAUNCH_FAILED's body, from
+    the zygote; or the caller's own finding).
+
+    As _posixsubprocess reports a child's failure, by number: ``errno`` is
+    that of the system call that failed and ``call`` names it and where
+    (``"fork of rank 57 of 60 in the zygote"``), so that the caller raises
+    the OSError subclass the call would have raised there (BlockingIOError
+    for EAGAIN, with what to do).  ``errno`` 0: no system call failed (a
+    bug), and ``detail`` (the server's traceback) says what did.
+    """
+
+    __slots__ = ("errno", "call", "detail")
+
+    _HEAD = struct.Struct("<iI")  # errno, length of call in bytes
+
+    def __init__(self, errno: int, call: str, detail: str = "") -> None:
+        self.errno = errno
+        self.call = call
+        self.detail = detail
+
+    def __repr__(self) -> str:
+        return f"LaunchFailure(errno={self.errno}, call={self.call!r})"
+
+    def encode(self) -> bytes:
+        """One message's worth: a long detail keeps its end (where a
+        traceback says what failed)."""
+        call = self.call.encode()[: CHUNK // 2]
+        room = CHUNK - self._HEAD.size - len(call)
+        detail = self.detail.encode()[-room:]
+        return self._HEAD.pack(self.errno, len(call)) + call + detail
+
+    @classmethod
+    def decode(cls, body: bytes) -> LaunchFailure:
+        err, length = cls._HEAD.unpack_from(body)
+        start = cls._HEAD.size
+        call = body[start : start + length].decode("utf-8", "replace")
+        return cls(err, call, body[start + length :].decode("utf-8", "replace"))
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """(receiving end for the caller, sending end for the workers)."""
+    rx, tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return rx, tx
+
+
+def send(sock: socket.socket, rank: int, kind: int, body: bytes, flags: int = 0) -> None:
+    """Send ``body`` whole, in chunks; blocking."""
+    view = memoryview(body)
+    start = 0
+    while True:
+        piece = view[start : start + CHUNK]
+        start += len(piece)
+        last = start >= len(view)
+        sock.sendmsg([HEADER.pack(rank, kind, LAST if last else 0), piece], [], flags)
+        if last:
+            return
+
+
+def pack_statuses(values: list[int]) -> bytes:
+    return array.array("i", values).tobytes()
+
+
+def unpack_statuses(body: bytes) -> list[int]:
+    values = array.array("i")
+    values.frombytes(body)
+    return values.tolist()
+
+
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """One message and the fds that came with it, close-on-exec (a binary a
+    worker becomes must not inherit them), and the message flags.
+
+    Not socket.recv_fds: it takes a flags argument but does not pass it on
+    (CPython 3.10-3.13)."""
+    data, ancdata, msg_flags, _addr = sock.recvmsg(
+        bufsize, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC
+    )
+    fds = array.array("i")
+    for level, ctype, cdata in ancdata:
+        if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+    return data, list(fds), msg_flags
+
+
+class Reports:
+    """What the caller has read so far from one launch's channel.
+
+    (A plain class: workers import this module, and dataclasses costs them
+    milliseconds at every start.)
+    """
+
+    def __init__(self) -> None:
+        self.results: dict[int, bytes] = {}
+        self.errors: dict[int, str] = {}
+        self.unpicklable: dict[int, str] = {}
+        self.exits: dict[int, int] = {}
+        self.pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd)
+        self.group = 0  # the workers' process group (zygote launches), 0: none
+        self.launch_failed: LaunchFailure | None = None
+        self.eof = False
+        self._partial: dict[tuple[int, int], list[bytes]] = {}
+
+
+class Receiver:
+    """The caller's end of a launch channel."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.setblocking(False)
+        self.reports = Reports()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def drain(self) -> bool:
+        """Read every message queued now; never blocks.  True if any was read."""
+        got = False
+        while not self.reports.eof:
+            try:
+                got |= self._read_one(hold=False)
+            except BlockingIOError:
+                break
+        return got
+
+    def read_blocking(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for one message.  False on timeout or EOF.
+
+        The wait is a poll(), which a Ctrl-C interrupts with nothing read;
+        the read itself does not block (see _read_one)."""
+        import select
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        while not self.reports.eof:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not poller.poll(None if left is None else left * 1000):
+                return False
+            try:
+                return self._read_one(hold=True)
+            except BlockingIOError:
+                pass  # woken for nothing: wait again
+        return False
+
+    def _read_one(self, hold: bool) -> bool:
+        """Read one message, without blocking, and apply it to ``reports``.
+        False at EOF.
+
+        ``hold``: signals are held from the receive until the message is
+        applied, for a read that may bring a launch's pidfds (read_blocking,
+        which a launch waits in): a Ctrl-C raised as recvmsg() returns would
+        drop them on the floor, open, known to nobody.  Holding costs about
+        0.08 ms a message (Python's signal sets), which drain(), reading the
+        ranks' results and exits, does not pay."""
+        if not hold:
+            return self._receive()
+        from fastspawn._os import oscall  # the caller's side only: workers never read
+
+        with oscall.held_signals():
+            return self._receive()
+
+    def _receive(self) -> bool:
+        data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            self.reports.eof = True
+            return False
+        rank, kind, flags = HEADER.unpack_from(data)
+        self._apply(rank, kind, flags, data[HEADER.size :], fds, msg_flags)
+        return True
+
+    def _apply(
+        self, rank: int, kind: int, flags: int, body: bytes, fds: list[int], msg_flags: int
+    ) -> None:
+        """Apply one message by its kind.  Takes ownership of ``fds``: a PIDS
+        message's become the ranks' pidfds, any other's are closed."""
+        if kind == PIDS:
+            self._apply_pids(rank, unpack_statuses(body), fds, msg_flags)
+            return
+        for fd in fds:  # no other kind carries fds
+            os.close(fd)
+        if kind == GROUP:
+            self.reports.group = unpack_statuses(body)[0]
+        elif kind == EXIT:
+            pairs = unpack_statuses(body)
+            for i in range(0, len(pairs) - 1, 2):
+                self.reports.exits[pairs[i]] = pairs[i + 1]
+        else:
+            self._apply_part(rank, kind, flags, body)
+
+    def _apply_pids(self, rank: int, pids: list[int], fds: list[int], msg_flags: int) -> None:
+        """Ranks ``rank``, ``rank + 1``, ... started as ``pids``, with ``fds``
+        their pidfds in the same order (-1 for those that did not arrive)."""
+        r = self.reports
+        for i, pid in enumerate(pids):
+            r.pids[rank + i] = (pid, fds[i] if i < len(fds) else -1)
+        if len(fds) < len(pids) and r.launch_failed is None:
+            # The kernel dropped the fds it could not install here: out of
+            # fds (it says which only by MSG_CTRUNC).
+            missing = f"{len(pids) - len(fds)} of {len(pids)} missing"
+            r.launch_failed = LaunchFailure(
+                errno.EMFILE if msg_flags & socket.MSG_CTRUNC else 0,
+                f"receiving the workers' pidfds: {missing}",
+                f"the workers' pidfds did not arrive ({missing}); raise the limit on "
+                "open files (ulimit -n) or start fewer ranks",
+            )
+
+    def _apply_part(self, rank: int, kind: int, flags: int, body: bytes) -> None:
+        """One piece of a body that may span several messages (RESULT, ERROR,
+        UNPICKLABLE, LAUNCH_FAILED): kept until the piece flagged LAST
+        completes it, then stored by kind."""
+        r = self.reports
+        key = (rank, kind)
+        parts = r._partial.setdefault(key, [])
+        parts.append(body)
+        if not flags & LAST:
+            return
+        whole = b"".join(r._partial.pop(key))
+        if kind == RESULT:
+            r.results[rank] = whole
+        elif kind == ERROR:
+            r.errors[rank] = whole.decode("utf-8", "replace")
+        elif kind == UNPICKLABLE:
+            r.unpicklable[rank] = whole.decode("utf-8", "replace")
+        elif kind == LAUNCH_FAILED:
+            r.launch_failed = LaunchFailure.decode(whole)
+
+    def close(self) -> None:
+        self.sock.close()

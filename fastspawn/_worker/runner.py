@@ -1,0 +1,308 @@
+"""A worker's run: ``fn(rank, *args)`` called, its outcome reported, and the
+worker's end (what multiprocessing runs at exit, then ``os._exit``)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import sys
+import threading
+
+from fastspawn._wire import channel as _channel
+from fastspawn._wire import pickling
+
+# A spawned worker imports this module on every start: what only some paths
+# need (typing, traceback, the cffi core) is imported where used.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any, Literal, NoReturn
+
+
+def format_exc() -> str:
+    import traceback
+
+    return traceback.format_exc()
+
+
+def print_exc() -> None:
+    import traceback
+
+    traceback.print_exc()
+
+
+def exit_code(exc: SystemExit) -> int:
+    """The exit status ``sys.exit(code)`` gives a process: an int modulo 256
+    (``sys.exit(-1)`` exits 255), None 0, anything else printed and 1."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def exit_during_prepare(rank: int, code: int) -> None:
+    """The fn of a zygote worker whose main module exited while the zygote
+    imported it: exit the same way, as a spawned worker would have."""
+    raise SystemExit(code)
+
+
+def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, body: bytes) -> None:
+    """Send a report on ``tx`` if its fd is still the channel it was when
+    the worker started (``channel``: its st_dev, st_ino).  A worker that
+    closed its inherited fds (``os.closerange``) has no channel left, and
+    one that opened something since may have the number back: the report
+    is then dropped with a line on stderr, never written into that file or
+    connection.  The exit code still tells the caller how the rank ended.
+    """
+    from fastspawn._os import oscall  # loaded in the forking process already
+
+    if not oscall.fd_is(tx.fileno(), *channel):
+        try:
+            print(
+                f"fastspawn: rank {rank} cannot report to its launcher: the worker closed "
+                f"its report channel (fd {tx.fileno()}); only its exit code reaches the caller",
+                file=sys.stderr,
+            )
+        except Exception:
+            pass  # sys.stderr may be gone with the fds the worker closed
+        return
+    _channel.send(tx, rank, kind, body)
+
+
+def channel_identity(tx: socket.socket) -> tuple[int, int]:
+    """(st_dev, st_ino) of a report channel: what _report checks its fd
+    still is.  Taken once per launch by the forking process."""
+    stat = os.fstat(tx.fileno())
+    return stat.st_dev, stat.st_ino
+
+
+def run(
+    rank: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    tx: socket.socket,
+    channel: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """Call ``fn(rank, *args)`` and report its outcome on ``tx``.
+
+    Returns (exit code, signal to die by or 0).  A KeyboardInterrupt (SIGINT)
+    does not pass as success, as it does under torch: the worker dies by
+    SIGINT after its finalizers ran, so the caller sees the signal.
+
+    Only the rank itself reports.  A child it forked (``os.fork()`` in
+    ``fn``) that comes back out of ``fn`` is not the rank: it reports
+    nothing (its exception would be blamed on the rank, its value taken for
+    the rank's) and ends as a plain forked Python process does, its
+    traceback on stderr and exit status 1 after an exception, 0 after a
+    return.  The rank's own exit status decides how the rank ended.
+    """
+    if channel is None:
+        channel = channel_identity(tx)
+    rank_pid = os.getpid()
+    signum = 0
+    code = 0
+    try:
+        value = fn(rank, *args)
+    except KeyboardInterrupt:
+        signum = signal.SIGINT
+        code = 1
+    except SystemExit as exc:
+        code = exit_code(exc)
+        value = None
+    except BaseException:
+        code = 1
+        if os.getpid() != rank_pid:
+            print_exc()
+        else:
+            _report(tx, channel, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
+    if os.getpid() != rank_pid:
+        return code, signum
+    if code == 0 and not signum:
+        try:
+            body = pickling.dumps_result(value)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            _report(tx, channel, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
+        else:
+            _report(tx, channel, rank, _channel.RESULT, body)
+    return code, signum
+
+
+def flush_std_streams() -> None:
+    """Flush sys.stdout and sys.stderr, whatever state they are in (before a
+    fork, before os._exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+
+
+# Set in the zygote before it forks (see fastspawn._zygote.forking): the
+# index of the next weakref.finalize to be made (those below it are the
+# zygote's, which its workers must not run at their exit), and how many
+# logging handlers it has.
+zygote_finalizer_index: int | None = None
+zygote_handlers = -1
+
+# fastspawn's own atexit handler, set by the launching side
+# (fastspawn._launch.context) once a process imports it: it ends the
+# launches that process made and left unjoined.  A zygote worker, or one
+# forked from the caller, runs no atexit handler it inherited, so finish()
+# calls this one (None: the worker never launched anything).
+launches_at_exit: Callable[[], None] | None = None
+
+
+# In the zygote's workers: the atexit handlers each registered, run at its
+# exit by finish (see capture_worker_exit_handlers).
+_worker_exit_handlers: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+_zygote_pid = 0
+
+
+def capture_worker_exit_handlers() -> None:
+    """In the zygote, before user code runs: make ``atexit.register`` (and
+    ``unregister``) called in one of its workers keep the handler for that
+    worker's exit, run by finish, as a spawned worker runs what it
+    registered.  The zygote's own handlers stay with the zygote: a worker
+    must not run them (a temporary directory the zygote made would be
+    removed by the first worker to exit).  Routing them at registration
+    costs a worker nothing until it registers one; clearing atexit after
+    every fork would copy its pages in every worker."""
+    global _zygote_pid
+    _zygote_pid = os.getpid()
+    register, unregister = atexit.register, atexit.unregister
+
+    def worker_register(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() == _zygote_pid:
+            return register(func, *args, **kwargs)
+        _worker_exit_handlers.append((func, args, kwargs))
+        return func
+
+    def worker_unregister(func: Callable[..., Any]) -> None:
+        if os.getpid() == _zygote_pid:
+            unregister(func)
+        else:
+            _worker_exit_handlers[:] = [h for h in _worker_exit_handlers if h[0] != func]
+
+    worker_register.__doc__ = register.__doc__
+    worker_unregister.__doc__ = unregister.__doc__
+    atexit.register = worker_register  # type: ignore[assignment]
+    atexit.unregister = worker_unregister
+
+
+def _run_worker_exit_handlers() -> None:
+    """What the worker registered with atexit, last first, as atexit runs
+    them; one that raises is printed and the rest still run."""
+    while _worker_exit_handlers:
+        func, args, kwargs = _worker_exit_handlers.pop()
+        try:
+            func(*args, **kwargs)
+        except BaseException:
+            print_exc()
+
+
+def next_finalizer_index(finalize: Any) -> int | None:
+    """The index weakref.finalize gives the next finalizer made (they are
+    numbered in order), read without taking it; None if not readable."""
+    text = repr(getattr(finalize, "_index_iter", None))
+    if text.startswith("count(") and text.endswith(")"):
+        try:
+            return int(text[6:-1])
+        except ValueError:
+            pass
+    return None
+
+
+def _run_own_finalizers() -> None:
+    """At a zygote worker's exit: run the weakref.finalize callbacks marked
+    to run at exit that the worker created, latest first, as
+    ``finalize._exitfunc`` does, and none of the zygote's (a temporary
+    directory the zygote made would be removed by the first worker to
+    exit).  A worker that made none, the usual case, touches nothing: the
+    zygote may hold many (torch: 134), and walking them in every worker
+    would copy the pages they sit on."""
+    weakref = sys.modules.get("weakref")
+    finalize = getattr(weakref, "finalize", None)
+    registry = getattr(finalize, "_registry", None)
+    if not registry:
+        return
+    first_own = zygote_finalizer_index
+    if first_own is None or next_finalizer_index(finalize) == first_own:
+        return  # the worker made none (or, unreadable, none is known to be its)
+    own = [(info.index, f) for f, info in list(registry.items()) if info.index >= first_own]
+    for _index, made_here in sorted(own, key=lambda pair: pair[0], reverse=True):
+        if made_here.atexit:
+            made_here()
+
+
+def finish(code: int, signum: int, exit_handlers: Literal["all", "own", "none"]) -> NoReturn:
+    """Run what multiprocessing runs at a worker's end, then exit with
+    ``code`` (0..255), or die by ``signum`` when it is not 0.  Nothing
+    raised on the way (a SIGINT, a failing handler) stops the exit: a worker
+    must never return into the code that forked it.
+
+    ``exit_handlers``: ``"all"`` for a spawned worker (every atexit
+    handler), ``"own"`` for a zygote worker (those it registered, see
+    capture_worker_exit_handlers, then logging's flush), ``"none"`` for a
+    worker forked from the caller, as multiprocessing's fork workers."""
+    try:
+        try:
+            from multiprocessing import util
+
+            util._exit_function()  # type: ignore[attr-defined]
+            threading._shutdown()  # type: ignore[attr-defined]
+            if exit_handlers == "all":
+                atexit._run_exitfuncs()
+            else:
+                if exit_handlers == "own":
+                    _run_own_finalizers()
+                    _run_worker_exit_handlers()
+                # Launches this worker made and left unjoined: waited for
+                # (or, if daemonic, stopped) as at any interpreter exit, once
+                # its threads (which may be joining them) are done.
+                if launches_at_exit is not None:
+                    launches_at_exit()
+                logging = sys.modules.get("logging")
+                # Its atexit hook was the zygote's.  Only for handlers the
+                # worker added: the zygote's are stream and file handlers
+                # unless it set up others, which flush at every record, and
+                # closing them would only copy their pages.
+                if (
+                    exit_handlers == "own"
+                    and logging is not None
+                    and len(logging._handlerList) != zygote_handlers
+                ):
+                    logging.shutdown()
+        except BaseException:
+            print_exc()
+        flush_std_streams()
+        if signum:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            os.kill(os.getpid(), signum)
+    finally:
+        os._exit(code & 0xFF)
+
+
+def set_parent_process(caller: int) -> None:
+    """Make ``multiprocessing.parent_process()`` the caller, as in a spawned
+    or forked multiprocessing child (code tells a worker from the main
+    process by it).  Its sentinel is a pidfd of the caller: ready once the
+    caller has exited."""
+    from multiprocessing import process
+
+    from fastspawn._os import oscall
+
+    try:
+        sentinel = oscall.pidfd_open(caller)
+    except OSError:
+        return  # the caller is gone: PR_SET_PDEATHSIG ends us anyway
+    process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
+        "MainProcess", caller, sentinel
+    )

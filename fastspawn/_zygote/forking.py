@@ -1,0 +1,229 @@
+"""The zygote's ranks coming to life: forked (one C loop per launch) into
+workers, or started as binaries with the C launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from fastspawn._os import oscall, procstate
+from fastspawn._wire import channel as _channel
+from fastspawn._worker import forked as worker_forked
+from fastspawn._worker import runner
+from fastspawn._worker import stacks as worker_stacks
+from fastspawn._worker import stdio as worker_stdio
+from fastspawn._zygote import protocol
+from fastspawn._zygote.launch import Launch, LaunchStdio, report_failure
+from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals, let_signals_through
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+
+class Forker:
+    """Starts the ranks of the zygote's launches, recording each in
+    ``workers`` (pid -> (launch, rank): the zygote reaps them)."""
+
+    def __init__(self, me: int, workers: dict[int, tuple[Launch, int]], signals: Signals) -> None:
+        self.me = me
+        self.workers = workers
+        self.signals = signals
+        self.reseed_numpy = False  # the launch forking now: numpy.random is loaded
+
+    def fork_ranks(
+        self,
+        header: protocol.LaunchHeader,
+        launch: Launch,
+        stdio: LaunchStdio,
+        fn: Any,
+        args: Any,
+        payload_error: str | None,
+        close_fds: list[int],
+    ) -> list[int]:
+        """Fork every rank of a launch; the pids forked.  On a failure the
+        launch reports it, and the ranks forked so far are killed (still
+        counted live until reaped); the pids returned are then none.
+        ``close_fds``: the zygote's own fds, which no worker keeps."""
+        stacks = worker_stacks.ForkStacks(header.stacks)
+        spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
+        spec.stacks = stacks.in_worker
+        spec.parent_death_armed = True  # by the fork loop
+        # Decided here, not in each worker (a call and a lookup there).
+        self.reseed_numpy = "numpy.random" in sys.modules
+        pids: list[int] = []
+        # A signal landing between fork and the worker's own handling would
+        # run the zygote's handlers in the worker (SIGTERM would make it act
+        # as a zygote shutting down, and exit 0).  Block them across the
+        # loop; each worker unblocks them with its own handlers in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
+        # Fork under the caller's RLIMIT_NPROC, not ours (the caller's as
+        # the zygote started): past it, the launch fails with EAGAIN as the
+        # caller's own fork would.
+        saved_limits = procstate.adopt_fork_limits(header.process_state)
+        group = 0
+        call = "fs_group_anchor"  # what runs now, for the report of a failure
+        stacks.begin()
+        try:
+            unlent = self.signals.lend()
+            # The launch's process group is led by an anchor that exits at
+            # once (its zombie holds the group until every rank has joined),
+            # so no rank leads it and each may still setsid(), as a spawned
+            # worker can.
+            group = oscall.group_anchor() if header.process_group else 0
+            if group:
+                launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
+            loop = oscall.ForkLoop(
+                header.nprocs, self.me, group, signal.SIGKILL, () if unlent else ZYGOTE_SIGNALS
+            )
+            while loop.next < header.nprocs:
+                first = loop.next
+                prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None
+                rank = loop.fork(prefix, stacks.fd)
+                if rank != -1:
+                    self.in_worker(spec, rank, stdio, loop, unlent)
+                pids = loop.pids
+                for forked, pid in enumerate(pids[first:], first):
+                    self.workers[pid] = (launch, forked)
+                step, error = loop.failure()
+                if step == oscall.ForkLoop.STEP_STACKS:
+                    stacks.failed()  # out of fds: the rest go without
+                elif error is not None:
+                    if step == oscall.ForkLoop.STEP_FORK:
+                        call = f"fork of rank {loop.next} of {header.nprocs}"
+                    else:  # FS_FORK_SETPGID, of the rank last forked
+                        call = f"setpgid of rank {loop.next - 1}"
+                    raise error
+        except BaseException as exc:
+            report_failure(launch, pids, call, exc)
+            pids = []
+        finally:
+            if group:
+                oscall.release_group_anchor(group)
+            stacks.end()
+            self.signals.take_back()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
+            stdio.close()
+            procstate.restore_limits(saved_limits)
+        return pids
+
+    def worker_spec(
+        self,
+        header: protocol.LaunchHeader,
+        launch: Launch,
+        stdio: LaunchStdio,
+        fn: Any,
+        args: Any,
+        payload_error: str | None,
+        close_fds: list[int],
+    ) -> worker_forked.ForkSpec:
+        """What each rank of a launch runs, and what it leaves to the
+        zygote; the zygote's output flushed, so no worker repeats it."""
+        spec = worker_forked.ForkSpec(
+            self.me,
+            fn,
+            args,
+            launch.tx,
+            daemon=header.daemon,
+            envs=header.envs,
+            payload_error=payload_error,
+            close_fds=close_fds,
+            stdin=-1 if stdio.caller_in is None else stdio.caller_in,
+            process_state=header.process_state,
+            from_zygote=True,
+        )
+        # The exit-time finalizers the workers must leave to the zygote.
+        finalize = getattr(sys.modules.get("weakref"), "finalize", None)
+        runner.zygote_finalizer_index = runner.next_finalizer_index(finalize)
+        logging = sys.modules.get("logging")
+        runner.zygote_handlers = len(getattr(logging, "_handlerList", ()))
+        if header.line_buffered:
+            worker_stdio.line_buffer_stdout()  # once here, not in every worker
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return spec
+
+    def start_binaries(
+        self, header: protocol.LaunchHeader, launch: Launch, stdio: LaunchStdio
+    ) -> list[int]:
+        """Start a launch whose ranks are a binary with the C launcher
+        (clone + exec, no copy of our memory, no Python in the child), each
+        in a session of its own with PR_SET_PDEATHSIG against us: what a
+        forked worker running fastspawn._worker.elastic_rank.exec_binary would become, at
+        the cost of a spawn.  Our children all the same: reaped and reported
+        as forked workers are.  On a failure, as fork_ranks."""
+        assert header.binary is not None
+        path, argvs = header.binary
+        base_env = oscall.Environ(os.environ)  # the caller's, taken on by prepare()
+        stdin = -1 if stdio.caller_in is None else stdio.caller_in
+        pids: list[int] = []
+        # As in fork_ranks: our own SIGTERM (the guard died) must not land
+        # in the middle, taken for a failed launch.  (The programs start
+        # with no signal blocked: signal_mask below.)
+        signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
+        # Each start counts against RLIMIT_NPROC as a fork does (see fork_ranks).
+        saved_limits = procstate.adopt_fork_limits(header.process_state)
+        call = ""
+        try:
+            for rank in range(header.nprocs):
+                call = f"start of rank {rank} of {header.nprocs} ({path})"
+                rank_stdio, _unused = stdio.for_rank(rank)
+                out, err = rank_stdio if rank_stdio is not None else (-1, -1)
+                pid, pidfd = oscall.launch(
+                    path,
+                    argvs[rank],
+                    base_env,
+                    env_extra=header.envs.get(rank),
+                    stdin=stdin,
+                    stdout=out,
+                    stderr=err,
+                    pdeathsig=signal.SIGKILL,
+                    new_session=True,
+                    # Ignored here (SIGINT) or by Python (SIGXFSZ): a
+                    # program expects them at their defaults.
+                    default_signals=(signal.SIGINT, signal.SIGXFSZ),
+                    signal_mask=(),
+                    process_state=header.process_state,
+                )
+                os.close(pidfd)  # send_pidfds opens the caller's
+                pids.append(pid)
+                self.workers[pid] = (launch, rank)
+        except BaseException as exc:
+            report_failure(launch, pids, call, exc)
+            pids = []
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
+            stdio.close()
+            procstate.restore_limits(saved_limits)
+        return pids
+
+    def in_worker(
+        self,
+        spec: worker_forked.ForkSpec,
+        rank: int,
+        stdio: LaunchStdio,
+        loop: oscall.ForkLoop,
+        unlent: set[int],
+    ) -> NoReturn:
+        """A freshly forked rank (its group, PR_SET_PDEATHSIG and the
+        workers' handlers in place, see fork_ranks; -2: that failed): become
+        the worker.  Never returns into the zygote's loop: a handler of the
+        user's that raises may run as the signals are let through, before
+        the worker's own handling starts."""
+        try:
+            if rank < 0:
+                step, error = loop.failure()
+                if step == oscall.ForkLoop.STEP_PDEATHSIG and isinstance(error, ProcessLookupError):
+                    os._exit(1)  # the zygote died before prctl: nobody wants us
+                raise error or AssertionError(f"fs_fork_ranks failed at step {step}")
+            if unlent:
+                let_signals_through(unlent)
+            if self.reseed_numpy:
+                worker_forked.reseed()
+            rank_stdio, unused = stdio.for_rank(rank)
+            worker_forked.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
+        except BaseException:
+            runner.print_exc()
+        finally:
+            os._exit(1)

@@ -1,0 +1,192 @@
+"""The zygote's control protocol: every message between the caller and its
+zygote, defined once and imported by both ends.
+
+The control socket (SOCK_SEQPACKET, one message a datagram) carries:
+- first, the caller's Hello: its spawn preparation data and preloads;
+- then ControlMessages: PRELOAD (modules to import now), LAUNCH (with fds:
+  the launch's report channel, its payload memfd, then as many of the
+  launch's other fds as fit) and FDS (the launch's fds that did not fit in
+  its LAUNCH, MAX_FDS a message, straight after it).
+A launch's LaunchHeader travels first in its payload memfd, not on the
+socket, whose messages are capped (~200 KB, which a large environment or
+per-rank envs exceed); fn and args follow it there.
+
+Only plain data is unpickled from the socket and the header (no import, no
+fd); the socket is an inherited socketpair that no other process can reach.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+TYPE_CHECKING = False  # not typing's: the zygote, and so each worker, carries every import
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from typing import IO, Any
+
+# The zygote process's entry module (client starts ``python -c`` that
+# imports it and calls its ``main``), named from this module's own name so
+# that no move leaves it stale.  The command line of the zygote and of its
+# guard shows MAIN_MARK, and so does every worker forked from it: how
+# ``fastspawn stacks`` tells the zygote among a caller's descendants.
+MAIN_MODULE = __name__.rpartition(".")[0] + ".main"
+MAIN_MARK = f"from {MAIN_MODULE} import main".encode()
+
+# ControlMessage operations.
+PRELOAD = "preload"
+LAUNCH = "launch"
+FDS = "fds"
+
+MAX_MESSAGE = 1 << 20  # what the zygote reads of one control message
+
+
+class Hello:
+    """The caller's first message: how to prepare like a spawned child (its
+    main module, sys.path, ...: multiprocessing's preparation data) and the
+    modules to import before the first launch."""
+
+    __slots__ = ("preparation", "preload")
+
+    def __init__(self, preparation: Mapping[str, Any], preload: Sequence[str]) -> None:
+        self.preparation = dict(preparation)
+        self.preload = list(preload)
+
+    def encode(self) -> bytes:
+        from fastspawn._wire import pickling
+
+        # The authkey inside pickles only while "spawning", as for spawn.
+        return pickling.dumps([(self.preparation, self.preload)], pickling.FdCollector())
+
+    @classmethod
+    def decode(cls, data: bytes) -> Hello:
+        preparation, preload = pickle.loads(data)
+        return cls(preparation, preload)
+
+
+class ControlMessage:
+    """One message on the control socket after the Hello."""
+
+    __slots__ = ("op", "modules")
+
+    def __init__(self, op: str, modules: Sequence[str] = ()) -> None:
+        self.op = op
+        self.modules = list(modules)  # PRELOAD's
+
+    def __repr__(self) -> str:
+        return f"ControlMessage({self.op!r}, modules={self.modules!r})"
+
+    def encode(self) -> bytes:
+        return pickle.dumps((self.op, self.modules), pickle.HIGHEST_PROTOCOL)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ControlMessage:
+        op, modules = pickle.loads(data)
+        return cls(op, modules)
+
+
+class LaunchHeader:
+    """What the zygote needs to know of one launch before it unpickles fn
+    and args.
+
+    Attributes:
+        nprocs, daemon: as the caller's request.
+        preload: modules to import before unpickling (the launch's preload=).
+        sys_path, env, cwd: the caller's now; the zygote takes them on before
+            unpickling, as a spawned interpreter would have them.
+        envs: ``{rank: {VAR: value}}``, applied in each rank.
+        process_group: put the workers in a process group of their own.
+        process_state: the caller's umask, affinity, nice value and limits
+            that differ from the zygote's (see fastspawn._os.procstate).
+        tracker_index: which of the user fds is the caller's resource
+            tracker's pipe, or None.
+        user_fds: how many fds the pickled arguments carry.
+        stdio_slots: ``(rank, 1 or 2)`` for each per-rank stdio fd.
+        default_stdio: how many of the caller's own stdio fds follow (2: fds
+            1 and 2; 3: 0, 1 and 2).
+        binary: ``(path, {rank: argv})`` when the ranks are that binary: the
+            zygote starts them with the C launcher rather than as forked
+            workers that exec it; else None.
+        line_buffered: the caller's stdout shows lines as they are printed
+            (a terminal, a notebook): the workers' is made line-buffered.
+        stacks: forked workers arm the stack dump (fastspawn._worker.stacks).
+    The fds arrive in that order: user fds, stdio slots, the caller's stdio.
+    """
+
+    __slots__ = (
+        "nprocs",
+        "daemon",
+        "preload",
+        "sys_path",
+        "env",
+        "cwd",
+        "envs",
+        "process_group",
+        "process_state",
+        "tracker_index",
+        "user_fds",
+        "stdio_slots",
+        "default_stdio",
+        "binary",
+        "line_buffered",
+        "stacks",
+    )
+
+    def __init__(
+        self,
+        *,
+        nprocs: int,
+        daemon: bool,
+        preload: Sequence[str],
+        sys_path: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str,
+        envs: Mapping[int, Mapping[str, str]],
+        process_group: bool,
+        process_state: Mapping[str, Any],
+        tracker_index: int | None,
+        user_fds: int,
+        stdio_slots: Sequence[tuple[int, int]],
+        default_stdio: int,
+        binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
+        line_buffered: bool = False,
+        stacks: bool = True,
+    ) -> None:
+        self.nprocs = int(nprocs)
+        self.daemon = bool(daemon)
+        self.preload = list(preload)
+        self.sys_path = list(sys_path)
+        self.env = dict(env)
+        self.cwd = cwd
+        self.envs = {rank: dict(env) for rank, env in envs.items()}
+        self.process_group = bool(process_group)
+        self.process_state = dict(process_state)
+        self.tracker_index = tracker_index
+        self.user_fds = user_fds
+        self.stdio_slots = [(rank, stream) for rank, stream in stdio_slots]
+        self.default_stdio = default_stdio
+        self.binary = (
+            None
+            if binary is None
+            else (binary[0], {rank: list(argv) for rank, argv in binary[1].items()})
+        )
+        self.line_buffered = bool(line_buffered)
+        self.stacks = bool(stacks)
+
+    def __repr__(self) -> str:
+        return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"
+
+    def fd_count(self) -> int:
+        """How many fds come with the launch beside its channel and payload."""
+        return self.user_fds + len(self.stdio_slots) + self.default_stdio
+
+    def encode(self) -> bytes:
+        return pickle.dumps(
+            tuple(getattr(self, name) for name in self.__slots__), pickle.HIGHEST_PROTOCOL
+        )
+
+    @classmethod
+    def decode(cls, payload: IO[bytes]) -> LaunchHeader:
+        """Read a header from the start of a payload file, leaving the file
+        at what follows it (fn and args)."""
+        values = pickle.load(payload)
+        return cls(**dict(zip(cls.__slots__, values, strict=True)))

@@ -1,0 +1,402 @@
+"""The zygote's main loop: the caller's messages, each launch prepared and
+its ranks started, their exits reaped and reported, orphans killed; idle
+time spent collapsing memory into huge pages."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+
+from fastspawn._os import hugepages, oscall
+from fastspawn._os.children import children_of, kill_children
+from fastspawn._wire import channel as _channel
+from fastspawn._wire import pickling
+from fastspawn._worker import runner
+from fastspawn._worker import spawned as worker_spawned
+from fastspawn._zygote import protocol
+from fastspawn._zygote.forking import Forker
+from fastspawn._zygote.launch import Launch, LaunchStdio, adopt_tracker, send_pidfds
+from fastspawn._zygote.signals import Signals, terminating
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+# From this many ranks on, a launch first collapses what the zygote has not
+# collapsed yet (see Zygote.collapse_now).
+COLLAPSE_BEFORE_FORKING = 128
+
+
+class Zygote:
+    """The zygote proper: serves its caller's launches until the caller is
+    gone (its control socket's EOF, its pidfd, or our own SIGTERM)."""
+
+    def __init__(self, control: socket.socket, parent: int, parent_fd: int) -> None:
+        self.control = control
+        self.me = os.getpid()
+        self.parent_fd = parent_fd
+        # multiprocessing.parent_process() is the caller, here and so in
+        # every worker (made once: each worker making its own would copy
+        # the pages that takes); its sentinel is our pidfd of the caller,
+        # which workers keep.
+        from multiprocessing import process
+
+        process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
+            "MainProcess", parent, self.parent_fd
+        )
+        oscall.set_child_subreaper()
+        self.signals = Signals()
+        self.epoll = select.epoll()
+        for fd in (control.fileno(), self.parent_fd, self.signals.wake_r):
+            self.epoll.register(fd, select.EPOLLIN)
+        self.workers: dict[int, tuple[Launch, int]] = {}  # pid -> (launch, rank)
+        self.channels: dict[int, Launch] = {}  # tx fd -> launch
+        # Channel fds closed while handling the current batch of events: a
+        # later event of the batch for that number is stale, even if a new
+        # launch got the number since (its hang-up must not end the new one).
+        self.closed_in_batch: set[int] = set()
+        self.settled_modules = 0  # len(sys.modules) at the last settle()
+        # How preparing like a spawn child (importing the caller's main
+        # module) failed, if it did: ("exit", code) or ("error", traceback).
+        # Every launch's workers then fail as spawned ones would.
+        self.prepare_failure: tuple[str, Any] | None = None
+        self.to_collapse: list[int] = []  # stretches for collapse_when_idle
+        self.forker = Forker(self.me, self.workers, self.signals)
+
+    def settle(self) -> None:
+        """Prepare the memory that workers share, once imports changed it.
+
+        gc.freeze() moves every object to the permanent generation, as the
+        gc docs advise before fork(): collections (here and in workers) then
+        skip them instead of writing to every page that holds one, which
+        would copy the page.  The heap and arenas are queued for collapsing
+        into huge pages (see collapse_when_idle).
+        """
+        if len(sys.modules) == self.settled_modules:
+            return
+        gc.freeze()
+        self.settled_modules = len(sys.modules)
+        if hugepages.wanted():
+            self.to_collapse = hugepages.collapsible_ranges()
+
+    def collapse_when_idle(self) -> None:
+        """Collapse one queued stretch into a huge page (serve() calls this
+        when nothing else is to be done and no worker runs).
+
+        Forking a torch-sized zygote and tearing its workers down then costs
+        one page-table entry per 2 MiB instead of one per 4 KiB (with torch
+        loaded: fork 3.6x, teardown 3.3x cheaper, benchmarks/README.md).  Each
+        stretch is copied (a few ms), so it happens only while the zygote is
+        idle, one stretch at a time between polls, and only while no worker
+        runs: a worker still sharing the old pages would keep them alive
+        beside the new ones.
+        """
+        # Failures are mostly quick (a stretch nothing was written to yet):
+        # go on to the next one, for up to 5 ms.
+        deadline = time.monotonic() + 0.005
+        while self.to_collapse and not hugepages.collapse(self.to_collapse.pop()):
+            if time.monotonic() > deadline:
+                break
+
+    def collapse_now(self) -> None:
+        """Collapse what is still queued, before a large launch forks.
+
+        Each fork copies one page-table entry per 4 KiB page left, and each
+        worker's exit clears them, so with enough ranks collapsing first
+        pays for itself.  With torch preloaded and no idle time before the
+        launch, until all ranks run: 64 ranks about even (385-409 ms against
+        336-410), 128 ranks 424-489 ms against 724-746, 256 ranks 1145-1243
+        ms against 1578-1865 (benchmarks/collapse_first.py has the rest).
+        """
+        while self.to_collapse:
+            hugepages.collapse(self.to_collapse.pop())
+
+    def own_fds(self) -> list[int]:
+        # Not parent_fd: the workers keep it (multiprocessing's
+        # parent_process() sentinel); it is close-on-exec.
+        fixed = [
+            self.control.fileno(),
+            self.epoll.fileno(),
+            self.signals.wake_r,
+            self.signals.wake_w,
+        ]
+        return fixed + list(self.channels)
+
+    def serve(self) -> None:
+        collapsing = False
+        while True:
+            # Idle time (nothing for 10 ms) goes to collapsing memory, one
+            # stretch at a time with a look at the fds in between, until
+            # something happens.
+            idle_work = bool(self.to_collapse) and not self.workers
+            timeout = (0 if collapsing else 0.01) if idle_work else -1
+            events = self.epoll.poll(timeout)
+            collapsing = not events and idle_work
+            if collapsing:
+                self.collapse_when_idle()
+                continue
+            self.closed_in_batch.clear()
+            for fd, mask in events:
+                if fd in self.closed_in_batch:
+                    continue
+                if fd == self.control.fileno():
+                    if not self.on_control():
+                        return
+                elif fd == self.parent_fd:
+                    return
+                elif fd == self.signals.wake_r:
+                    self.on_sigchld()
+                elif fd in self.channels:
+                    launch = self.channels[fd]
+                    if mask & (select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP):
+                        launch.broken = True
+                    self.on_writable(launch)
+
+    def on_control(self) -> bool:
+        try:
+            data, fds, _flags = _channel.recv_fds(self.control, protocol.MAX_MESSAGE, 256)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return False
+        message = protocol.ControlMessage.decode(data)
+        if message.op == protocol.PRELOAD:
+            import_all(message.modules)
+            self.signals.reclaim()
+            self.settle()
+        else:
+            self.launch(fds)
+        return True
+
+    def launch(self, fds: list[int]) -> None:
+        """One launch: ``fds`` are its report channel, its payload memfd
+        (the launch's header, then fn and args), then the fds the arguments
+        carry and the ranks' stdio fds, those that did not fit following in
+        messages of their own."""
+        tx = socket.socket(fileno=fds[0])
+        # The header (environment, sys.path, per-rank envs) travels in the
+        # memfd, not in the control message, whose size is capped (~200 KB).
+        payload = worker_spawned.read_payload(fds[1])
+        header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
+        carried = fds[2:]
+        carried += self.receive_fds(header.fd_count() - len(carried))
+        user_fds = carried[: header.user_fds]
+        stdio = LaunchStdio(header, carried[header.user_fds :])
+        launch = Launch(tx, header.nprocs)
+        fn, args, payload_error = self.prepare(header, payload, user_fds, tx)
+        if header.binary is not None and payload_error is None:
+            pids = self.forker.start_binaries(header, launch, stdio)
+        else:
+            if header.nprocs >= COLLAPSE_BEFORE_FORKING and not self.workers:
+                self.collapse_now()
+            pids = self.forker.fork_ranks(
+                header, launch, stdio, fn, args, payload_error, self.own_fds()
+            )
+        del fn, args
+        # Arguments in a reference cycle (an object that refers to itself)
+        # would wait for a collection, or be frozen by settle(), holding the
+        # fds they carry open for every later worker: collect them now.
+        # Frozen objects are not traversed, so this is cheap (0.2 ms with
+        # torch preloaded) except once after unpickling imported a large
+        # module (torch not preloaded: 150k new objects, 93 ms, beside the
+        # import's 1.8 s); only a full collection is sure to reach arguments
+        # that a large unpickling pushed into the old generation.
+        gc.collect()
+        self.settle()  # what unpickling imported (the module of fn, say)
+        send_pidfds(launch, pids)
+        self.channels[tx.fileno()] = launch
+        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
+        self.on_writable(launch)
+
+    def prepare(
+        self,
+        header: protocol.LaunchHeader,
+        payload: io.BytesIO,
+        user_fds: list[int],
+        tx: socket.socket,
+    ) -> tuple[Any, Any, str | None]:
+        """Take on the caller's state and unpickle fn and args: ``(fn, args,
+        None)``, or ``(None, (), traceback)`` when that failed (every rank
+        then reports the traceback, as a spawned worker would)."""
+        fn: Any = None
+        args: Any = ()
+        payload_error = None
+        try:
+            # Take on the caller's current environment, cwd and sys.path
+            # before unpickling: imports run here and must see what a spawned
+            # interpreter would.  The workers inherit all three.
+            os.environ.clear()
+            os.environ.update(header.env)
+            os.chdir(header.cwd)
+            sys.path[:] = header.sys_path
+            import_all(header.preload, strict=True)
+            # Before unpickling: fn and args are the launch's, not lasting
+            # zygote state, and must stay collectable in the workers.
+            self.settle()
+            pickling.inherited_fds[:] = user_fds
+            if header.tracker_index is not None:
+                adopt_tracker(user_fds[header.tracker_index])
+            if self.prepare_failure is None:
+                fn, args = pickle.load(payload)
+            elif self.prepare_failure[0] == "exit":
+                fn, args = runner.exit_during_prepare, (self.prepare_failure[1],)
+            else:
+                payload_error = self.prepare_failure[1]
+        except BaseException:
+            if terminating():
+                # Our own SIGTERM (the guard died), landed in an import or
+                # the unpickling: shut down, not a payload error for the
+                # workers while the zygote serves on.
+                tx.close()
+                raise
+            payload_error = traceback.format_exc()
+        finally:
+            self.signals.reclaim()  # imports and unpickling ran user code
+            for fd in user_fds:
+                os.close(fd)  # unpickled objects hold their own dups
+            pickling.inherited_fds[:] = []
+            payload.close()
+        return fn, args, payload_error
+
+    def receive_fds(self, count: int) -> list[int]:
+        """Read ``count`` fds from the messages (MAX_FDS at most each) that
+        follow a launch message."""
+        fds: list[int] = []
+        while len(fds) < count:
+            data, more, _flags = _channel.recv_fds(
+                self.control, protocol.MAX_MESSAGE, _channel.MAX_FDS
+            )
+            fds.extend(more)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise EOFError("the caller went away in the middle of a launch")
+        return fds
+
+    def on_sigchld(self) -> None:
+        try:
+            while os.read(self.signals.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        touched: set[Launch] = set()
+        worker_died = False
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            entry = self.workers.pop(pid, None)
+            if entry is None:
+                continue  # an orphaned descendant we adopted and killed
+            worker_died = True
+            launch, rank = entry
+            launch.live -= 1
+            launch.exits += [rank, os.waitstatus_to_exitcode(status)]
+            touched.add(launch)
+        if worker_died:
+            self.kill_orphans()
+        for launch in touched:
+            self.on_writable(launch)
+
+    def kill_orphans(self) -> None:
+        """Kill children that are not our workers: descendants whose worker
+        died, reparented to us.  Unreaped, so their pids cannot be reused."""
+        for pid in children_of(self.me) - set(self.workers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def on_writable(self, launch: Launch) -> None:
+        """Send what a launch has queued; end it once all is said, or once
+        its caller has gone from the channel."""
+        if launch.tx.fileno() < 0:
+            return  # ended already; its last workers are being reaped
+        fd = launch.tx.fileno()
+        sent = launch.broken or launch.flush()
+        if launch.broken:
+            self.abandon(launch)
+        if launch.done or launch.broken:
+            if fd in self.channels:
+                del self.channels[fd]
+                self.epoll.unregister(fd)
+            launch.tx.close()
+            self.closed_in_batch.add(fd)
+            return
+        if sent == launch.watching_out:
+            # Always watched for the caller hanging up; for room to write
+            # only while something waits to be sent.
+            launch.watching_out = not sent
+            events = select.EPOLLRDHUP | (select.EPOLLOUT if launch.watching_out else 0)
+            self.epoll.modify(fd, events)
+
+    def abandon(self, launch: Launch) -> None:
+        """The caller closed a launch's channel while workers of it still
+        ran (it gave up during the launch, or could not take the workers'
+        pidfds): nobody can wait for them or stop them now, so kill them.
+        Unreaped children of ours, so the pids are theirs; what they started
+        goes as reparented orphans do (kill_orphans)."""
+        launch.drop_outbox()
+        for pid, (owner, _rank) in self.workers.items():
+            if owner is launch:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def shutdown(self) -> None:
+        """The caller is gone: kill every worker and descendant, reap, exit."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # The workers first, from our own records: listing children in /proc
+        # takes fds, which may have run out.  Then free what fds we can.
+        for pid in self.workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for launch in self.channels.values():
+            launch.drop_outbox()
+            launch.tx.close()
+        self.channels.clear()
+        kill_children(self.me)
+
+
+class PreloadError(ImportError):
+    """A module named in a launch's ``preload=`` could not be imported."""
+
+
+def import_all(modules: Sequence[str], strict: bool = False) -> None:
+    """Import ``modules``.  ``strict`` (a launch's ``preload=``): the first
+    failure raises PreloadError naming the module; else (FASTSPAWN_PRELOAD,
+    fastspawn.preload()) it is printed and the zygote goes on without it."""
+    for name in modules:
+        try:
+            __import__(name)
+        except Exception as exc:
+            if strict:
+                raise PreloadError(
+                    f"fastspawn: preload={list(modules)!r}: the zygote could not import "
+                    f"{name!r} before starting the workers ({type(exc).__name__}: {exc})"
+                ) from exc
+            print(
+                f"fastspawn: could not preload {name!r} (FASTSPAWN_PRELOAD or "
+                "fastspawn.preload()); workers will import it themselves if they need it:",
+                file=sys.stderr,
+            )
+            traceback.print_exc()
