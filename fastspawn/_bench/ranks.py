@@ -5,6 +5,7 @@ imports (see the package's docstring for the records a rank writes)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import struct
@@ -42,7 +43,17 @@ def rank_main(rank: int, spec: RankSpec) -> None:
         bench = os.pidfd_open(bench_pid)
     except ProcessLookupError:
         os._exit(1)  # the bench is gone: nobody will release or reap us
-    out = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        # Not blocking: with the bench gone (its read end closed, the FIFO
+        # maybe removed), a blocking open would wait for a reader for ever,
+        # before the pidfd above is ever polled.  The bench holds the read
+        # end from before any launch, so ENXIO means it is gone.
+        out = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.ENOENT):
+            os._exit(1)
+        raise
+    os.set_blocking(out, True)
     try:
         os.write(out, _RECORD.pack(round_id, rank, ENTERED, entered))
         _wait_for_release(bench)
