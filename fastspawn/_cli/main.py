@@ -14,8 +14,8 @@ from fastspawn._cli.options import (
     RUN_DESCRIPTION,
     RUN_EPILOG,
     UsageError,
-    positive_int,
-    positive_seconds,
+    _positive,
+    _seconds,
     run_parser,
 )
 from fastspawn._cli.restart import run
@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         "PID: a `fastspawn run`, or a program that started ranks with fastspawn (only "
         "this user's processes).  The ranks keep running.",
     )
-    stacks.add_argument("pid", type=positive_int, metavar="PID")
+    stacks.add_argument("pid", type=_positive, metavar="PID")
     stacks.add_argument(
         "--timeout",
-        type=positive_seconds,
+        type=_seconds,
         default=_stacks.DEMAND_TIMEOUT,
         metavar="SECONDS",
         help=f"how long to wait for the ranks' answers (default {_stacks.DEMAND_TIMEOUT:g})",

@@ -87,7 +87,7 @@ def _pet_flag(dest: str) -> bool:
     return os.environ.get(f"PET_{dest.upper()}", "0") == "1"
 
 
-def positive_int(text: str) -> int:
+def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -106,7 +106,7 @@ def _ranks(text: str) -> int | str:
     if text in _NPROC_WORDS:
         return text
     try:
-        value = positive_int(text)
+        value = _positive(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"give a number or one of {', '.join(_NPROC_WORDS)}, got {text!r}"
@@ -148,14 +148,14 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
+def _seconds(text: str) -> float:
     value = float(text)
     if not value > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
     return value
 
 
-def tcp_port(text: str) -> int:
+def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
@@ -236,7 +236,7 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
     _option(
         parser,
         "--master-port",
-        type=tcp_port,
+        type=_port,
         default=_pet("master_port", None),
         help="port on node 0, static rendezvous (default: a free port on one node, 29500 "
         "on several)",
@@ -302,7 +302,7 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--hang-timeout",
-        type=positive_seconds,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="show every rank's stacks once no rank has written anything (output, or "

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 
 from fastspawn import elastic
-from fastspawn._cli.options import UsageError, parse_nnodes, tcp_port
+from fastspawn._cli.options import UsageError, _port, parse_nnodes
 from fastspawn._os import limits as _limits
 from fastspawn._worker import script_rank
 from fastspawn._worker import stacks as worker_stacks
@@ -111,7 +111,7 @@ def _static_endpoint(args: argparse.Namespace) -> tuple[str | None, int | None]:
             addr = host.strip("[]")  # an IPv6 address in brackets
         if port is None and port_text:
             try:
-                port = tcp_port(port_text)
+                port = _port(port_text)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 raise UsageError(f"--rdzv-endpoint {endpoint}: {exc}") from None
     return addr, port
