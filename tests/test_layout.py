@@ -29,8 +29,8 @@ from fastspawn._launch.methods.base import StartMethod
 PACKAGE = Path(fastspawn.__file__).parent
 METHODS = "fastspawn._launch.methods"
 
-# The floors, lowest first, with what each owns.  A floor imports only floors
-# above it in this table; "fastspawn" is the package's own __init__ (the
+# The floors, lowest first, with what each owns.  A floor imports only the
+# floors listed before it (below it); "fastspawn" is the package's own __init__ (the
 # lazy public face), "__main__" is ``python -m fastspawn``.
 FLOORS = [
     ("_os", "the kernel through the C core: the only importer of _core"),
