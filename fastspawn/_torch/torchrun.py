@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from fastspawn._launch.methods import helpers
 from fastspawn._torch import agent as _agent
+from fastspawn.elastic import api as elastic_api
 from fastspawn.elastic import pcontext
 from fastspawn.elastic.api import ProcessFailure, Std
 
@@ -116,7 +117,7 @@ def run(
     Raises:
         TorchMissing: torch.distributed cannot be imported.
         AgentError: the rendezvous failed.
-        SignalException: a termination signal (Ctrl-C included)
+        fastspawn.elastic.SignalException: a termination signal (Ctrl-C included)
             stopped the job; every worker is stopped.
         FileNotFoundError, PermissionError: the binary cannot be run.
     """
@@ -154,11 +155,11 @@ def run(
         rank, failure = exc.get_first_failure()
         # fastspawn.elastic's: the agent reports what our PContext returned.
         return int(rank), cast(ProcessFailure, failure)
-    except SignalException as exc:
-        raise SignalException(str(exc), sigval=exc.sigval) from None
+    except SignalException as exc:  # torch's, as fastspawn.elastic's
+        raise elastic_api.SignalException(str(exc), sigval=exc.sigval) from None
     except KeyboardInterrupt:
         # Ctrl-C before the workers started (torch handles signals from then on).
-        raise SignalException("interrupted", sigval=signal.SIGINT) from None
+        raise elastic_api.SignalException("interrupted", sigval=signal.SIGINT) from None
     except RendezvousError as exc:
         raise AgentError(f"{type(exc).__name__}: {exc}") from exc
     return None
