@@ -358,7 +358,7 @@ class ProcessContext:
         if grace_period is not None:
             self._wait_all(grace_period)
         if self._stacks:
-            self._stacks_at_failure(failed)
+            self._take_failure_stacks()
         # running_among(), not is_alive(): the latter would wait for the exit
         # status of each worker that just died, one after the other.
         # Signal first, log after: hundreds of log records would otherwise
@@ -367,6 +367,10 @@ class ProcessContext:
         self._signal_all(live, signal.SIGTERM)
         for proc in live:
             log.warning("Terminating process %s via signal SIGTERM", proc.pid)
+        # The stacks, taken before the signal, are logged after torch's
+        # records: code and tests that read the first WARNING of a failure
+        # (torch's test_terminate_exit) see torch's.
+        self._log_failure_stacks(failed)
         self._wait_all(30 if grace_period is None else grace_period)
         live = running_among(self._pending.values())
         # The whole group, even with no rank left running: what the failed
@@ -380,11 +384,10 @@ class ProcessContext:
             )
         self._end()
 
-    def _stacks_at_failure(self, failed: Process) -> None:
-        """Take the stacks of the ranks still running (``rank_stacks``) and
-        log them, in one WARNING, before they are stopped.  Bounded by
-        _stacks.FAILURE_TIMEOUT; a failure here must not keep the ranks
-        from being stopped."""
+    def _take_failure_stacks(self) -> None:
+        """Take the stacks of the ranks still running (``rank_stacks``),
+        before they are stopped.  Bounded by _stacks.FAILURE_TIMEOUT; a
+        failure here must not keep the ranks from being stopped."""
         live = running_among(self._pending.values())
         if not live:
             return
@@ -392,7 +395,9 @@ class ProcessContext:
             self.rank_stacks = self._take_stacks(live, _stacks.FAILURE_TIMEOUT)
         except Exception:
             log.exception("fastspawn: could not take the stacks of the other ranks")
-            return
+
+    def _log_failure_stacks(self, failed: Process) -> None:
+        """The stacks taken at the failure of ``failed``, in one WARNING."""
         if self.rank_stacks and log.isEnabledFor(logging.WARNING):
             block = _stacks.format_block(
                 (f"rank {rank} (pid {self.processes[rank].pid})", text)
