@@ -11,7 +11,7 @@ import sys
 from fastspawn._wire import channel as _channel
 from fastspawn._worker.runner import channel_identity, finish, print_exc, run, set_parent_process
 from fastspawn._worker.stacks import arm_stacks, disarm_stacks
-from fastspawn._worker.stdio import quiet_stdin, redirect_stdio
+from fastspawn._worker.stdio import quiet_stdin, redirect_stdio, whole_lines
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -221,11 +221,10 @@ def _set_up_forked(
             pass
     if stdio is not None:
         redirect_stdio(stdio, flush=not spec.from_zygote)
-    if spec.stdin == -1 and not spec.from_zygote:
-        quiet_stdin()
+    if not spec.from_zygote:
+        _caller_fork_stdio(spec)
     elif spec.stdin is not None and spec.stdin >= 0:
-        os.dup2(spec.stdin, 0)
-        os.close(spec.stdin)
+        _stdin_from(spec.stdin)
     if spec.process_state:
         from fastspawn._os import procstate
 
@@ -240,6 +239,23 @@ def _set_up_forked(
         set_parent_process(spec.parent)
     if spec.stacks is not None:  # no call otherwise: its pages would be copied
         _forked_stacks(spec, rank)
+
+
+def _caller_fork_stdio(spec: ForkSpec) -> None:
+    """The streams of a worker forked from the caller: each line written
+    whole, stdin from /dev/null or the fd given.  (A zygote worker's are the
+    zygote's, set once for all its ranks.)"""
+    whole_lines()
+    if spec.stdin == -1:
+        quiet_stdin()
+    elif spec.stdin is not None and spec.stdin >= 0:
+        _stdin_from(spec.stdin)
+
+
+def _stdin_from(fd: int) -> None:
+    """Make ``fd`` this process's fd 0 (binary ranks read the launcher's stdin)."""
+    os.dup2(fd, 0)
+    os.close(fd)
 
 
 def _arm_parent_death(parent: int) -> None:

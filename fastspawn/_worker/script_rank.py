@@ -136,8 +136,12 @@ def _set_path0(directory: str) -> None:
 
 def _unbuffered_std_streams() -> None:
     """``python -u``, as torchrun starts every rank: stdout and stderr
-    unbuffered, so that a rank's lines reach the console (and the logs) in
-    the order written, and none is lost when the rank is killed."""
+    unbuffered, so that a rank's lines reach the console (and the logs) as
+    soon as each is printed, in the order written, and none is lost when
+    the rank is killed.  Line-buffered rather than written through: a
+    stream that writes through writes a line and its newline apart, and
+    ranks sharing the console would cut their lines into one another (only
+    a line not yet ended waits for its newline)."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = getattr(sys, name)
         if stream is None:
@@ -148,7 +152,7 @@ def _unbuffered_std_streams() -> None:
         except (OSError, ValueError):
             continue  # closed: leave it as it is
         unbuffered = io.TextIOWrapper(
-            raw, encoding=stream.encoding, errors=stream.errors, write_through=True
+            raw, encoding=stream.encoding, errors=stream.errors, line_buffering=True
         )
         setattr(sys, name, unbuffered)
         setattr(sys, f"__{name}__", unbuffered)

@@ -14,7 +14,7 @@ from fastspawn._wire import channel as _channel
 from fastspawn._wire import pickling
 from fastspawn._worker.runner import finish, format_exc, print_exc, run, set_parent_process
 from fastspawn._worker.stacks import arm_stacks
-from fastspawn._worker.stdio import line_buffer_stdout, quiet_stdin
+from fastspawn._worker.stdio import line_buffer_stdout, quiet_stdin, whole_lines
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ def spawn_main() -> NoReturn:
     tracker_fd = int(sys.argv[6])
     if sys.argv[7] == "1":
         line_buffer_stdout()
+    whole_lines()
     pickling.inherited_fds[:] = [int(fd) for fd in sys.argv[8:]]
     code, signum = 1, 0
     try:

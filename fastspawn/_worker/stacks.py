@@ -163,7 +163,8 @@ def python_rank_argv(rank: int, program: str, args: Sequence[str]) -> list[str]:
     exits as Python's own; the traceback of an exception that ends the
     program starts at the program, as Python's (the bootstrap's frames are
     left out by the hook that prints it).  ``sys.orig_argv`` shows the
-    bootstrap.
+    bootstrap.  stdout and stderr are line-buffered rather than written
+    through, so that ranks sharing the console never cut a line.
     """
     return ["-u", "-c", _PYTHON_RANK_BOOT, str(rank), program, *args]
 
@@ -212,6 +213,12 @@ def _fastspawn_boot():
         pass
     else:
         faulthandler.register({STACKS_SIGNAL}, file=fd, all_threads=True)
+    # python -u writes a line and its newline apart, and ranks sharing the
+    # console cut their lines into one another: line-buffered, each line
+    # goes out whole, as soon as it is printed.
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False):
+            stream.reconfigure(line_buffering=True, write_through=False)
     main = sys.modules["__main__"]
     del main._fastspawn_boot
     try:

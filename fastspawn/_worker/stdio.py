@@ -1,5 +1,6 @@
 """A worker's standard streams: stdin from /dev/null, stdout line-buffered
-where the caller shows lines as they come, fds 1 and 2 redirected."""
+where the caller shows lines as they come, each line written whole, fds 1
+and 2 redirected."""
 
 from __future__ import annotations
 
@@ -37,6 +38,24 @@ def line_buffer_stdout() -> None:
         stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
     except (AttributeError, OSError, ValueError):
         pass  # replaced by an object of the user's, or closed
+
+
+def whole_lines() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` write each line with one
+    write(), where they write through (``PYTHONUNBUFFERED``, ``python -u``,
+    as many container images set): a stream that writes through writes a
+    line and its newline apart, and ranks sharing a pipe or a file cut their
+    lines into one another there.  Line-buffered instead, each line still
+    goes out as soon as it is printed, whole.  Streams that do not write
+    through are left as they are (block buffering already writes a line at
+    a time, but for a line cut at a full buffer)."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None or not getattr(stream, "write_through", False):
+            continue
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
+        except (AttributeError, OSError, ValueError):
+            pass  # replaced by an object of the user's, or closed
 
 
 def quiet_stdin() -> None:

@@ -138,8 +138,10 @@ class Forker:
         runner.zygote_finalizer_index = runner.next_finalizer_index(finalize)
         logging = sys.modules.get("logging")
         runner.zygote_handlers = len(getattr(logging, "_handlerList", ()))
+        # Once here, not in every worker: the ranks share these streams.
         if header.line_buffered:
-            worker_stdio.line_buffer_stdout()  # once here, not in every worker
+            worker_stdio.line_buffer_stdout()
+        worker_stdio.whole_lines()
         sys.stdout.flush()
         sys.stderr.flush()
         return spec
