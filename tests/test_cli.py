@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import gone
@@ -572,3 +573,76 @@ def test_no_command_prints_the_help():
     assert done.returncode == 2
     assert "usage: fastspawn" in done.stdout
     assert "run" in done.stdout and "bench" in done.stdout
+
+
+# ------------------------------------------- torchrun's filters and NUMA binding
+
+
+def test_duplicate_filters_copy_the_matching_teed_lines(tmp_path):
+    prog = script(
+        tmp_path,
+        """
+        import os, sys
+        rank = os.environ["RANK"]
+        print("apple,x " + rank)
+        print("banana " + rank)
+        print("orange " + rank)
+        print("apple,x on stderr " + rank, file=sys.stderr)
+        """,
+    )
+    logs = tmp_path / "logs"
+    done = fastspawn_run(
+        "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(logs),
+        "--duplicate-stdout-filters", "apple,,x,orange", prog,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # torch's file, one for all the ranks of the attempt, lines prefixed as
+    # on the console; ",," is a comma inside a filter.
+    copied = (logs / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    assert sorted(copied) == sorted(
+        f"[prog.py{rank}]:{word} {rank}" for rank in (0, 1) for word in ("apple,x", "orange")
+    )
+    assert not (logs / "attempt_0" / "filtered_stderr.log").exists()  # no stderr filters
+    assert sorted(os.listdir(logs / "attempt_0")) == ["0", "1", "filtered_stdout.log"]
+
+
+def test_duplicate_filters_from_pet_variables(tmp_path):
+    prog = script(tmp_path, "import sys\nprint('keep me', file=sys.stderr)\nprint('not me')\n")
+    logs = tmp_path / "logs"
+    done = fastspawn_run(
+        "--tee", "3", "--log-dir", str(logs), prog,
+        env={**os.environ, "PET_DUPLICATE_STDERR_FILTERS": "keep"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    copied = (logs / "attempt_0" / "filtered_stderr.log").read_text()
+    assert copied == "[prog.py0]:keep me\n"
+
+
+def test_numa_binding_takes_torchs_modes():
+    done = fastspawn_run("--numa-binding", "bogus", "prog.py")
+    assert done.returncode == 2
+    assert "--numa-binding" in done.stderr and "'bogus'" in done.stderr
+    for mode in ("node", "socket", "exclusive", "core-complex"):
+        assert f"'{mode}'" in done.stderr
+
+
+def _binding_applies_here() -> bool:
+    from fastspawn._os import numa
+
+    return numa.binding(SimpleNamespace(affinity_mode="node"), 1, None, os.environ) is not None
+
+
+def test_numa_binding_that_cannot_apply_says_why_before_anything_starts(tmp_path):
+    # Where no GPU is there for a rank to be bound near (or, without torch,
+    # no way to find one): one line, no rank started, no log left.
+    try:
+        if _binding_applies_here():
+            pytest.skip("this machine has a GPU with NUMA information: binding applies")
+    except RuntimeError:
+        pass
+    prog = script(tmp_path, "open('started', 'w').close()\n")
+    done = fastspawn_run("--numa-binding", "node", "--tee", "3", prog, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith("fastspawn run: --numa-binding node: numa_options cannot apply")
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "started").exists()

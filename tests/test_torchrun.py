@@ -3,8 +3,10 @@ the zygote, and (with torch) torch's own elastic agent across nodes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,6 +105,55 @@ def test_torchs_own_configuration_reads_our_options(tmp_path, monkeypatch):
     namespace = _torchrun.torch_args(fixed, 1, torchrun)
     assert namespace.rdzv_backend == "c10d" and namespace.rdzv_endpoint == "localhost:0"
     assert not _torchrun.restarts_possible(namespace)
+
+
+def _run_subparser():
+    parser = cli_main.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["run"]
+
+
+def test_run_takes_and_lists_every_torchrun_option():
+    torchrun = pytest.importorskip("torch.distributed.run")
+    theirs = [a for a in torchrun.get_args_parser()._actions if a.option_strings]
+    run = _run_subparser()
+    ours = {flag for action in run._actions for flag in action.option_strings}
+    help_text = run.format_help()
+    missing, unlisted = [], []
+    for action in theirs:
+        missing += [flag for flag in action.option_strings if flag not in ours]
+        # Listed by its dashed long spelling where it has one (the
+        # underscore twins are accepted, not listed twice).
+        dashed = [f for f in action.option_strings if f.startswith("--") and "_" not in f]
+        if not any(
+            re.search(rf"{re.escape(f)}\b", help_text) for f in dashed or action.option_strings
+        ):
+            unlisted.append(action.option_strings)
+    assert missing == [] and unlisted == [], (missing, unlisted)
+
+
+def test_duplicate_filters_and_numa_binding_reach_torchs_configuration(tmp_path, monkeypatch):
+    torchrun = pytest.importorskip("torch.distributed.run")
+    from fastspawn._torch import torchrun as _torchrun
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = cli_main.build_parser().parse_args(
+        ["run", "--standalone", "--duplicate-stdout-filters", "apple,,x,orange",
+         "--duplicate_stderr_filters", "err", "--numa-binding", "socket",
+         "--log-dir", str(tmp_path), "x.py"]
+    )  # fmt: skip
+    namespace = _torchrun.torch_args(args, 2, torchrun)
+    config, _cmd, _args = torchrun.config_from_args(namespace)
+    assert config.duplicate_stdout_filters == ["apple,x", "orange"]
+    assert config.duplicate_stderr_filters == ["err"]
+    assert config.numa_options is not None
+    assert config.numa_options.affinity_mode.value == "socket"
+    # As torchrun reads them: the same lists from the same text.
+    theirs = torchrun.get_args_parser().parse_args(
+        ["--duplicate-stdout-filters", "apple,,x,orange", "--numa-binding", "socket", "x.py"]
+    )
+    assert theirs.duplicate_stdout_filters == args.duplicate_stdout_filters
+    assert theirs.numa_binding == args.numa_binding
 
 
 def test_options_from_pet_variables(tmp_path):

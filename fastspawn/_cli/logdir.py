@@ -86,13 +86,18 @@ class LogDir:
 def open_log_dir(args: argparse.Namespace) -> LogDir | None:
     """The directory for the logs, before anything starts: --log-dir, made
     or checked empty, else a new temporary directory when --redirects or
-    --tee names a stream; None when neither gives the logs a directory.
+    --tee names a stream or a --duplicate-*-filters option gives filters
+    (their lines go to a file); None when none gives the logs a directory.
 
     Raises:
         LogDirError: the directory cannot be made, or is not empty.
     """
     log_dir = args.log_dir
-    wants_files = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
+    wants_files = (
+        args.redirects != elastic.Std.NONE
+        or args.tee != elastic.Std.NONE
+        or bool(args.duplicate_stdout_filters or args.duplicate_stderr_filters)
+    )
     created: str | None  # the directory this run made to hold log_dir (itself included)
     if log_dir is None and wants_files:
         log_dir = created = make_temporary_log_dir()

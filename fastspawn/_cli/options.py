@@ -10,6 +10,7 @@ from typing import Any
 from fastspawn import elastic
 from fastspawn._launch.methods import registry
 from fastspawn._os import limits as _limits
+from fastspawn._os import numa as _numa
 
 RUN_DESCRIPTION = """\
 Start N copies (ranks) of a program on this node, each with the environment
@@ -181,6 +182,12 @@ def _ranks_filter(text: str) -> frozenset[int] | None:
         ) from None
 
 
+def _filters(text: str) -> list[str]:
+    """torchrun's filter list: comma-separated, a doubled comma standing for
+    a comma inside a filter (``"a,,b,c"``: ``a,b`` and ``c``)."""
+    return [part.replace("\0", ",") for part in text.replace(",,", "\0").split(",")]
+
+
 def _modules(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
@@ -277,6 +284,24 @@ def run_parser(parser: argparse.ArgumentParser) -> None:
         metavar="RANKS",
         help="show only these local ranks' output on the console, like 0,1 (log files "
         "still get every rank's)",
+    )
+    for stream in ("stdout", "stderr"):
+        _option(
+            parser,
+            f"--duplicate-{stream}-filters",
+            type=_filters,
+            default=_pet(f"duplicate_{stream}_filters", None),
+            metavar="LIST",
+            help=f"copy each tee'd {stream} line that contains any of these comma-separated "
+            f"strings (',,' for a comma) to {{attempt}}/filtered_{stream}.log, with its prefix",
+        )
+    _option(
+        parser,
+        "--numa-binding",
+        choices=_numa.MODES,
+        default=None,
+        help="bind each rank to the CPUs near its GPU (local rank i: GPU i), as torch's "
+        "NUMA binding modes do",
     )
     _option(
         parser,

@@ -36,6 +36,7 @@ from fastspawn._cli.topology import (
 )
 from fastspawn._launch import context as launch_context
 from fastspawn._launch.methods import helpers
+from fastspawn._os import numa as _numa
 from fastspawn.elastic import logs as elastic_logs
 
 
@@ -135,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
             check_program(program)
         except OSError as exc:
             return _cannot_start(program.name, exc)
+        if config.numa is not None and (problem := _numa_problem(config)) is not None:
+            print(f"fastspawn run: --numa-binding {problem}", file=sys.stderr)
+            return 1
         log_dir = open_log_dir(args)
         if program.preload:
             helpers.preload(program.preload)  # imported there while we go on
@@ -142,6 +146,20 @@ def run(args: argparse.Namespace) -> int:
     except LogDirError as exc:
         print(exc, file=sys.stderr)
         return 2
+
+
+def _numa_problem(config: RunConfig) -> str | None:
+    """Why --numa-binding cannot bind the ranks here (no NUMA information,
+    no torch to find the GPUs, fewer GPUs than ranks, no numactl for a
+    binary), or None: said before anything starts, not as a traceback from
+    the first attempt."""
+    binary = config.entrypoint if isinstance(config.entrypoint, str) else None
+    try:
+        _numa.binding(config.numa, config.nprocs, binary, os.environ)
+    except RuntimeError as exc:
+        mode = config.numa.affinity_mode if config.numa is not None else ""
+        return f"{mode}: {exc}"
+    return None
 
 
 def _dynamic_rendezvous(args: argparse.Namespace) -> str:
@@ -346,10 +364,14 @@ class _AttemptLogs(elastic.LogsSpecs):
             if attempt_dir == os.devnull:
                 dest.stdouts[rank] = dest.stderrs[rank] = "" if shown else os.devnull
                 dest.error_files[rank] = os.devnull
+                dest.filtered_stdout = dest.filtered_stderr = os.devnull
                 continue
             rank_dir = os.path.join(attempt_dir, str(rank))
             os.mkdir(rank_dir, 0o700)
             elastic_logs.rank_files(dest, rank, rank_dir, redirects[rank], tees[rank], envs, shown)
+        if attempt_dir != os.devnull:  # torch's names, one file per attempt for all ranks
+            dest.filtered_stdout = os.path.join(attempt_dir, "filtered_stdout.log")
+            dest.filtered_stderr = os.path.join(attempt_dir, "filtered_stderr.log")
         return dest
 
 
@@ -374,6 +396,9 @@ def _start_ranks(
                 rank: f"[{config.name}{config.global_rank(rank)}]:" for rank in range(config.nprocs)
             },
             stacks=config.stacks,
+            duplicate_stdout_filters=list(config.stdout_filters),
+            duplicate_stderr_filters=list(config.stderr_filters),
+            numa_options=config.numa,
         )
     except BaseException:
         # Nothing ran: keep no empty log directories.  start_processes

@@ -230,6 +230,15 @@ def wants_agent(args: argparse.Namespace) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class NumaMode:
+    """--numa-binding, as the ``numa_options`` fastspawn.elastic takes
+    (torch's ``NumaOptions``, whose fields these are, without torch)."""
+
+    affinity_mode: str
+    should_fall_back_if_binding_fails: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One ``fastspawn run`` with the static rendezvous, read from its
     arguments: what each rank runs, where this node sits among the others,
@@ -254,6 +263,10 @@ class RunConfig:
     local_ranks_filter: frozenset[int] | None = None
     role: str = "default"
     run_id: str = "none"
+    # --duplicate-stdout-filters, --duplicate-stderr-filters
+    stdout_filters: tuple[str, ...] = ()
+    stderr_filters: tuple[str, ...] = ()
+    numa: NumaMode | None = None  # --numa-binding
 
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nprocs + local_rank
@@ -295,4 +308,7 @@ def run_config(
         local_ranks_filter=args.local_ranks_filter,
         role=args.role,
         run_id=args.rdzv_id,
+        stdout_filters=tuple(args.duplicate_stdout_filters or ()),
+        stderr_filters=tuple(args.duplicate_stderr_filters or ()),
+        numa=None if args.numa_binding is None else NumaMode(args.numa_binding),
     )

@@ -49,6 +49,9 @@ _SHARED = (
     "signals_to_handle",
     "shutdown_timeout",
     "virtual_local_rank",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+    "numa_binding",
 )
 
 
