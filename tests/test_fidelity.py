@@ -789,6 +789,28 @@ def test_numa_options_bind_function_ranks(tmp_path, numa_machine):
     assert result.return_values == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
 
 
+def test_fastspawn_runs_numa_binding_binds_as_numa_options_do(tmp_path, numa_machine):
+    # fastspawn run --numa-binding hands fastspawn.elastic the mode as its
+    # numa_options: the same binding torch's NumaOptions gives.
+    from fastspawn._cli import main as cli_main
+    from fastspawn._cli import topology
+
+    args = cli_main.build_parser().parse_args(["run", "--numa-binding", "node", "x.py"])
+    config = topology.run_config(args, {})
+    assert config.numa is not None and config.numa.affinity_mode == "node"
+    pc = elastic.start_processes(
+        "t",
+        workers.elastic_affinity,
+        {0: (), 1: ()},
+        {0: {}, 1: {}},
+        os.devnull,
+        start_method="fork",
+        numa_options=config.numa,
+    )
+    result = pc.wait(timeout=60)
+    assert result.return_values == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
+
+
 @pytest.mark.parametrize("fall_back", [False, True])
 def test_numa_options_binding_that_fails_in_a_rank(tmp_path, start_method, fall_back, monkeypatch):
     # The launcher is told there are GPUs; the rank, asking the real
