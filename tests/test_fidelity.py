@@ -103,9 +103,10 @@ def test_start_method_none_terminate_exit(parallel_start, caplog, grace_period):
             pass
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     if grace_period is None:
-        # torch's line, after fastspawn's one record of where rank 1 was.
-        assert "where the other processes were" in warned[0]
-        assert f"Terminating process {pid1} via signal" in warned[1]
+        # torch's line first, as torch's test reads it, then fastspawn's
+        # one record of where rank 1 was.
+        assert f"Terminating process {pid1} via signal" in warned[0]
+        assert "where the other processes were" in warned[1]
     else:
         assert warned == []  # rank 1 ended its sleep by itself
     assert not any(p.is_alive() for p in ctx.processes)
