@@ -24,6 +24,7 @@ int fs_set_child_subreaper(void);
 /* pidfd.c */
 int fs_pidfd_open(pid_t pid, unsigned int flags);
 int fs_pidfd_send_signal(int pidfd, int sig);
+int fs_tgkill(pid_t tgid, pid_t tid, int sig);
 int fs_pidfd_wait(int pidfd, int nohang, pid_t *pid, int *exit_status);
 
 /* waiter.c */

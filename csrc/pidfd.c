@@ -36,6 +36,18 @@ int fs_pidfd_send_signal(int pidfd, int sig)
     return (int)syscall(SYS_pidfd_send_signal, pidfd, sig, NULL, 0U);
 }
 
+/* tgkill(2): send `sig` to thread `tid` of thread group `tgid`, and to no
+ * other thread.  A process-directed kill(2) goes to any thread that does not
+ * block the signal, so a signal the main thread blocks (pthread_sigmask
+ * blocks it in the calling thread only) can still reach, and by its default
+ * action kill, a process through a thread started before the block.  ESRCH
+ * when `tid` is not a thread of `tgid` (gone, or both reused).
+ */
+int fs_tgkill(pid_t tgid, pid_t tid, int sig)
+{
+    return (int)syscall(SYS_tgkill, tgid, tid, sig);
+}
+
 /* waitid(2) with P_PIDFD and WEXITED: reap the child behind `pidfd`.
  *
  * On success *pid is the reaped pid (0 when `nohang` is set and the child is

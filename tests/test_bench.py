@@ -591,3 +591,47 @@ def test_floor_ranks_exit_once_their_helper_is_gone(floor):
     _gone, alive = psutil.wait_procs(ranks, timeout=10)
     assert alive == []  # orphans that nobody would release
     session.live.remove(launched)
+
+
+# ------------------------------------------------------- the release signal
+
+# A rank whose process started a thread before rank_main blocks SIGUSR1, as
+# torch's import does (a native thread of its own) in every torch-spawn rank:
+# that thread does not block the signal.
+_THREADED_RANK = """
+import sys, threading, time
+threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+from fastspawn._bench.ranks import rank_main
+fifo, bench_pid = sys.argv[1], int(sys.argv[2])
+rank_main(0, (fifo, bench_pid, 7, (), b"", -1))
+"""
+
+
+class _OneRank(bench_session.Launched):
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def problem(self) -> str | None:
+        code = self.proc.poll()
+        return None if code is None else f"the rank exited with status {code}"
+
+
+def test_the_release_reaches_a_rank_whose_other_threads_do_not_block_it(tmp_path):
+    reports = bench_session.Reports(str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", _THREADED_RANK, reports.path, str(os.getpid())])
+    try:
+        launched = _OneRank(proc)
+        reports.wait(7, bench_ranks.ENTERED, 1, launched)
+        launched.release([0])
+        # Sent to the process, the signal would go to the sleeping thread and
+        # kill the rank by its default action (exit status -SIGUSR1).
+        assert proc.wait(timeout=60) == 0
+        assert list(reports.wait(7, bench_ranks.EXITED, 1, None)) == [0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reports.close()

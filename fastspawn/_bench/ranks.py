@@ -31,7 +31,9 @@ def rank_main(rank: int, spec: RankSpec) -> None:
     """
     fifo, bench_pid, round_id, modules, _payload, fail_rank = spec
     # Blocked from the start, the release signal stays pending until
-    # sigtimedwait takes it: it can never kill us by its default action.
+    # sigtimedwait takes it: it can never kill us by its default action.  It
+    # comes to this (the main) thread alone (Launched.release): threads
+    # started before this block, which do not block it, never see it.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     # A forked rank inherits the bench's SIGTERM handler; a teardown's SIGTERM
     # must simply kill.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fastspawn._bench.common import BenchError
 from fastspawn._bench.ranks import _RECORD
+from fastspawn._os import oscall
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -28,10 +29,15 @@ class Launched:
         raise NotImplementedError
 
     def release(self, ranks: Iterable[int]) -> None:
-        """Let these ranks go on (they are alive, blocked in sigtimedwait)."""
+        """Let these ranks go on (they are alive, blocked in sigtimedwait).
+
+        The signal goes to each rank's main thread, where rank_main blocks
+        it and waits for it, and to no other: sent to the process, it could
+        land in a thread started before the block (``import torch`` starts
+        some), whose default action for it would kill the rank."""
         pids = self.pids()
         for rank in ranks:
-            os.kill(pids[rank], signal.SIGUSR1)
+            oscall.signal_thread(pids[rank], pids[rank], signal.SIGUSR1)
 
     def join(self) -> None:
         """Wait for every process to end successfully, and reap it."""

@@ -202,6 +202,14 @@ def pidfd_send_signal(pidfd: int, sig: int) -> None:
         _raise_errno("pidfd_send_signal")
 
 
+def signal_thread(pid: int, tid: int, sig: int) -> None:
+    """Send ``sig`` to thread ``tid`` of process ``pid`` and no other
+    (tgkill(2); a process's main thread has ``tid == pid``).
+    ProcessLookupError once it is gone."""
+    if lib.fs_tgkill(pid, tid, sig) != 0:
+        _raise_errno("tgkill")
+
+
 def pidfd_wait(pidfd: int, nohang: bool) -> int | None:
     """Reap the child behind ``pidfd``.
 
