@@ -76,6 +76,44 @@ def test_arg_not_picklable_names_it(start_method):
         start(workers.sleep_for, (0, (x for x in [])), start_method=start_method)
 
 
+def test_the_unpicklable_hint_works_when_followed():
+    # It says to start the workers with start_processes and "fork": done so,
+    # the same function runs.
+    with pytest.raises(pickle.PicklingError) as raised:
+        fastspawn.spawn(lambda rank: rank, nprocs=2)
+    hint = "fastspawn.start_processes(..., start_method='fork')"
+    assert hint in str(raised.value)
+    ctx = fastspawn.start_processes(lambda rank: rank * 3, nprocs=2, start_method="fork")
+    assert ctx.return_values == {0: 0, 1: 3}
+
+
+@pytest.mark.parametrize("method", ["zygote", "spawn"])
+def test_a_fork_context_queue_gets_the_hint_that_works(method):
+    # A queue from multiprocessing's fork context cannot reach a zygote or
+    # spawn worker; fastspawn.spawn() takes no "fork", so the hint must not
+    # lead back to the same error: it names the spawn context, and both
+    # ways it offers work when followed.
+    fork_queue = multiprocessing.get_context("fork").SimpleQueue()
+    try:
+        with pytest.raises(pickle.PicklingError) as raised:
+            fastspawn.spawn(workers.put_rank, (fork_queue,), nprocs=2, start_method=method)
+        message = str(raised.value)
+        assert message.startswith("args[0] (SimpleQueue")
+        assert "multiprocessing.get_context('spawn')" in message and ".. " not in message
+        # Followed: a queue from the spawn context.
+        spawn_queue = multiprocessing.get_context("spawn").SimpleQueue()
+        try:
+            fastspawn.spawn(workers.put_rank, (spawn_queue,), nprocs=2, start_method=method)
+            assert sorted([spawn_queue.get(), spawn_queue.get()]) == [0, 1]
+        finally:
+            spawn_queue.close()
+        # Or the same queue, with start_processes and "fork".
+        fastspawn.start_processes(workers.put_rank, (fork_queue,), nprocs=2, start_method="fork")
+        assert sorted([fork_queue.get(), fork_queue.get()]) == [0, 1]
+    finally:
+        fork_queue.close()
+
+
 def test_fork_takes_unpicklable_fn():
     captured = []
     ctx = start(lambda rank: captured.append(rank) or rank * 3, nprocs=2, start_method="fork")

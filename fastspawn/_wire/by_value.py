@@ -159,5 +159,6 @@ def describe_failure(
         "classes defined in this __main__ (a notebook, the interactive prompt, python -c, "
         "stdin) travel to the workers by value, with what they refer to; create such an "
         "object inside the function (or in an importable module) instead of in __main__, "
-        "pass what it is made from in args, or use start_method='fork'."
+        "pass what it is made from in args, or start the workers with "
+        "fastspawn.start_processes(..., start_method='fork'), which pickles nothing."
     )

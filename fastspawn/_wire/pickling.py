@@ -129,11 +129,29 @@ def describe_unpicklable(fn: Any, args: Sequence[Any], start_method: str) -> str
             from fastspawn._wire import by_value
 
             return by_value.describe_failure(what, obj, exc, _pickles)
-        return (
-            f"{what}: {type(exc).__name__}: {exc}. Define functions at module top level and "
-            "pass picklable arguments, or use start_method='fork'."
-        )
+        return f"{what}: {type(exc).__name__}: {str(exc).rstrip('.')}. {_what_to_do(exc)}"
     return None
+
+
+def _what_to_do(exc: BaseException) -> str:
+    """The advice for an object that cannot be pickled: one that works when
+    followed (fastspawn.spawn() takes only spawn-safe methods, so "use
+    fork" is advice for start_processes)."""
+    fork_only = "start them with fastspawn.start_processes(..., start_method='fork')"
+    if "fork context" in str(exc):
+        # A Queue, Lock, Event, Value... made by multiprocessing's default
+        # context on Linux (fork, before Python 3.14): its semaphore cannot
+        # reach a worker that was not forked from this process.
+        return (
+            "It was made for the fork start method (by multiprocessing's default "
+            "context on Linux): make it, and what shares it, from "
+            "multiprocessing.get_context('spawn') (torch: torch.multiprocessing."
+            f"get_context('spawn')), which every start method can take; or {fork_only}."
+        )
+    return (
+        f"Define functions at module top level and pass picklable arguments, or {fork_only}, "
+        "which pickles nothing."
+    )
 
 
 def main_attribute(qualname: str) -> Any:
