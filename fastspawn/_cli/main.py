@@ -44,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         "PID: a `fastspawn run`, or a program that started ranks with fastspawn (only "
         "this user's processes).  The ranks keep running.",
     )
-    stacks.add_argument("pid", type=_positive, metavar="PID")
+    stacks.add_argument(
+        "pid",
+        type=_positive,
+        metavar="PID",
+        help="the process whose ranks to show: a fastspawn run, or any program of this user's "
+        "that started ranks with fastspawn",
+    )
     stacks.add_argument(
         "--timeout",
         type=_seconds,

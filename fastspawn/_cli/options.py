@@ -24,8 +24,9 @@ this command, however it is stopped.
 
 A Python program (a .py file, or -m module) runs in each rank as __main__ in
 a worker forked from fastspawn's zygote, which has the --preload modules
-imported already (as `python -u`; see the README for what differs from a
-fresh interpreter); --exec starts a fresh interpreter per rank instead.
+imported already (as `python -u`; docs/elastic.md, "What each rank runs",
+says what differs from a fresh interpreter); --exec starts a fresh
+interpreter per rank instead.
 Anything else is exec'd as a binary.
 
 Rendezvous: the static one by default (no torch needed): --nnodes N,

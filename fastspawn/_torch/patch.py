@@ -52,7 +52,7 @@ def patch_torch(preload: bool = True) -> None:
 
     Call it before importing code that copies these names at import time
     (``from torch.multiprocessing.spawn import ProcessExitedException``).
-    For ``torchrun``, call it from a site hook (see the README).
+    For ``torchrun``, call it from a site hook (see docs/elastic.md).
 
     Args:
         preload: also start the zygote now and import torch in it, so

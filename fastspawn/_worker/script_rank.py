@@ -3,8 +3,8 @@
 in a fresh interpreter: what each rank of ``fastspawn run train.py`` does in
 a zygote worker, which has the preloaded modules imported already.
 
-What differs from a fresh interpreter is listed in the README ("Python
-ranks from the zygote"); in short: ``sys.modules`` holds what the zygote
+What differs from a fresh interpreter is listed in docs/elastic.md ("What
+each rank runs"); in short: ``sys.modules`` holds what the zygote
 imported, ``sys.flags`` and ``sys.orig_argv`` are the zygote's, and stdin
 reads /dev/null.
 """

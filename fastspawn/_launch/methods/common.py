@@ -79,7 +79,7 @@ def new_group(req: LaunchRequest) -> int:
     the workers stay in the caller's group, and a Ctrl-C reaches them too.
     A background job's get a group (and a warden, against an OOM kill of a
     `nohup ... &` run): there a worker stopped by SIGTTOU stays stopped when
-    `fg` continues the job (README, "Where fastspawn differs")."""
+    `fg` continues the job (docs/differences.md)."""
     if foreground_on_a_terminal():
         return 0
     with oscall.held_signals():  # an anchor no one knows of stays a zombie
