@@ -774,9 +774,10 @@ def numa_machine(tmp_path, monkeypatch):
     return allowed
 
 
-def test_numa_options_bind_function_ranks(tmp_path, numa_machine):
-    # "fork" ranks inherit the stand-ins; the other methods' ranks would ask
-    # the real machine (see the next test).
+def _two_bound_ranks(options: object) -> dict[int, list[int]]:
+    """The CPUs each of two "fork" ranks may run on, bound by ``options``
+    ("fork" ranks inherit the stand-ins; the other methods' ranks would ask
+    the real machine, see test_numa_options_binding_that_fails_in_a_rank)."""
     pc = elastic.start_processes(
         "t",
         workers.elastic_affinity,
@@ -784,10 +785,14 @@ def test_numa_options_bind_function_ranks(tmp_path, numa_machine):
         {0: {}, 1: {}},
         os.devnull,
         start_method="fork",
-        numa_options=numa_options(),
+        numa_options=options,
     )
-    result = pc.wait(timeout=60)
-    assert result.return_values == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
+    return pc.wait(timeout=60).return_values
+
+
+def test_numa_options_bind_function_ranks(tmp_path, numa_machine):
+    bound = _two_bound_ranks(numa_options())
+    assert bound == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
 
 
 def test_fastspawn_runs_numa_binding_binds_as_numa_options_do(tmp_path, numa_machine):
@@ -799,17 +804,8 @@ def test_fastspawn_runs_numa_binding_binds_as_numa_options_do(tmp_path, numa_mac
     args = cli_main.build_parser().parse_args(["run", "--numa-binding", "node", "x.py"])
     config = topology.run_config(args, {})
     assert config.numa is not None and config.numa.affinity_mode == "node"
-    pc = elastic.start_processes(
-        "t",
-        workers.elastic_affinity,
-        {0: (), 1: ()},
-        {0: {}, 1: {}},
-        os.devnull,
-        start_method="fork",
-        numa_options=config.numa,
-    )
-    result = pc.wait(timeout=60)
-    assert result.return_values == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
+    bound = _two_bound_ranks(config.numa)
+    assert bound == {0: [numa_machine[0]], 1: [numa_machine[-1]]}
 
 
 @pytest.mark.parametrize("fall_back", [False, True])

@@ -10,6 +10,7 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from typing import TextIO
 
 
 def stdout_shows_lines() -> bool:
@@ -34,10 +35,7 @@ def line_buffer_stdout() -> None:
         getattr(stream, "line_buffering", True) and not getattr(stream, "write_through", False)
     ):
         return
-    try:
-        stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
-    except (AttributeError, OSError, ValueError):
-        pass  # replaced by an object of the user's, or closed
+    _line_buffered(stream)
 
 
 def whole_lines() -> None:
@@ -47,15 +45,19 @@ def whole_lines() -> None:
     line and its newline apart, and ranks sharing a pipe or a file cut their
     lines into one another there.  Line-buffered instead, each line still
     goes out as soon as it is printed, whole.  Streams that do not write
-    through are left as they are (block buffering already writes a line at
-    a time, but for a line cut at a full buffer)."""
+    through are left as they are (a block-buffered one writes 8 KB at a
+    time, which can cut a line only where a buffer fills)."""
     for stream in (sys.stdout, sys.stderr):
-        if stream is None or not getattr(stream, "write_through", False):
-            continue
-        try:
-            stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[union-attr]
-        except (AttributeError, OSError, ValueError):
-            pass  # replaced by an object of the user's, or closed
+        if stream is not None and getattr(stream, "write_through", False):
+            _line_buffered(stream)
+
+
+def _line_buffered(stream: TextIO) -> None:
+    """Flush at each newline, in one write; never write through."""
+    try:
+        stream.reconfigure(line_buffering=True, write_through=False)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        pass  # replaced by an object of the user's, or closed
 
 
 def quiet_stdin() -> None:
