@@ -114,14 +114,14 @@ def _imports(tree: ast.AST, modules: set[str], package: str, type_only: bool = T
     return found
 
 
-def _import_graph(type_only: bool = True) -> dict[str, set[str]]:
+def _import_graph() -> dict[str, set[str]]:
     sources = _sources()
     modules = _modules()
     graph = {}
     for name, path in sources.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text())
-        graph[name] = _imports(tree, modules, package, type_only) - {name}
+        graph[name] = _imports(tree, modules, package) - {name}
     return graph
 
 
@@ -238,10 +238,6 @@ def string_violations(sources: Mapping[str, str], modules: set[str]) -> list[str
     return found
 
 
-def _package_graph() -> dict[str, set[str]]:
-    return _import_graph(type_only=True)
-
-
 def _package_sources() -> dict[str, str]:
     return {name: path.read_text() for name, path in _sources().items()}
 
@@ -255,32 +251,32 @@ def test_the_floors_table_names_every_floor_and_only_those():
 
 
 def test_each_floor_imports_only_the_floors_below_it():
-    assert floor_violations(_package_graph()) == []
+    assert floor_violations(_import_graph()) == []
 
 
 def test_no_cycle_between_floors():
-    assert floor_cycle(_package_graph()) is None
+    assert floor_cycle(_import_graph()) is None
 
 
 def test_no_cycle_between_modules_type_only_imports_included():
-    graph = _package_graph()
+    graph = _import_graph()
     assert "fastspawn._launch.methods.base" in graph and graph["fastspawn._launch.methods.registry"]
     cycle = _find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_only_the_kernel_floor_imports_the_c_core():
-    graph = _package_graph()
+    graph = _import_graph()
     assert any(CORE in targets for targets in graph.values())  # the walk sees it
     assert core_violations(graph) == []
 
 
 def test_only_the_start_methods_talk_to_the_helpers_clients():
-    assert client_violations(_package_graph()) == []
+    assert client_violations(_import_graph()) == []
 
 
 def test_only_the_command_line_imports_the_public_faces():
-    assert face_violations(_package_graph()) == []
+    assert face_violations(_import_graph()) == []
 
 
 def test_no_module_finds_another_by_name():

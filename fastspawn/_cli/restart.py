@@ -26,6 +26,7 @@ from fastspawn._cli.logdir import (
     remove_created,
 )
 from fastspawn._cli.topology import (
+    NumaMode,
     Program,
     RunConfig,
     check_program,
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             check_program(program)
         except OSError as exc:
             return _cannot_start(program.name, exc)
-        if config.numa is not None and (problem := _numa_problem(config)) is not None:
+        if config.numa is not None and (problem := _numa_problem(config.numa, config)):
             print(f"fastspawn run: --numa-binding {problem}", file=sys.stderr)
             return 1
         log_dir = open_log_dir(args)
@@ -148,17 +149,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _numa_problem(config: RunConfig) -> str | None:
+def _numa_problem(numa: NumaMode, config: RunConfig) -> str | None:
     """Why --numa-binding cannot bind the ranks here (no NUMA information,
     no torch to find the GPUs, fewer GPUs than ranks, no numactl for a
     binary), or None: said before anything starts, not as a traceback from
     the first attempt."""
     binary = config.entrypoint if isinstance(config.entrypoint, str) else None
     try:
-        _numa.binding(config.numa, config.nprocs, binary, os.environ)
+        _numa.binding(numa, config.nprocs, binary, os.environ)
     except RuntimeError as exc:
-        mode = config.numa.affinity_mode if config.numa is not None else ""
-        return f"{mode}: {exc}"
+        return f"{numa.affinity_mode}: {exc}"
     return None
 
 
@@ -359,19 +359,20 @@ class _AttemptLogs(elastic.LogsSpecs):
         attempt_dir = self.root_log_dir
         redirects = elastic.to_map(self._redirects, len(envs))
         tees = elastic.to_map(self._tee, len(envs))
+        if attempt_dir == os.devnull:
+            dest.filtered_stdout = dest.filtered_stderr = os.devnull
+        else:  # torch's names, one file per attempt for all ranks
+            dest.filtered_stdout = os.path.join(attempt_dir, "filtered_stdout.log")
+            dest.filtered_stderr = os.path.join(attempt_dir, "filtered_stderr.log")
         for rank in envs:
             shown = self._local_ranks_filter is None or rank in self._local_ranks_filter
             if attempt_dir == os.devnull:
                 dest.stdouts[rank] = dest.stderrs[rank] = "" if shown else os.devnull
                 dest.error_files[rank] = os.devnull
-                dest.filtered_stdout = dest.filtered_stderr = os.devnull
                 continue
             rank_dir = os.path.join(attempt_dir, str(rank))
             os.mkdir(rank_dir, 0o700)
             elastic_logs.rank_files(dest, rank, rank_dir, redirects[rank], tees[rank], envs, shown)
-        if attempt_dir != os.devnull:  # torch's names, one file per attempt for all ranks
-            dest.filtered_stdout = os.path.join(attempt_dir, "filtered_stdout.log")
-            dest.filtered_stderr = os.path.join(attempt_dir, "filtered_stderr.log")
         return dest
 
 
