@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import resource
@@ -23,6 +24,7 @@ from fastspawn._bench import common, host, main
 from fastspawn._bench import floor as bench_floor
 from fastspawn._bench import methods as bench_methods
 from fastspawn._bench import options as bench_options
+from fastspawn._bench import progress as bench_progress
 from fastspawn._bench import ranks as bench_ranks
 from fastspawn._bench import rounds as bench_rounds
 from fastspawn._bench import session as bench_session
@@ -138,40 +140,59 @@ def test_the_schema_rejects_what_it_should():
 
 
 @pytest.fixture(scope="module")
-def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    """One tiny sweep shared by the table and JSON tests: (stdout, document)."""
+def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any], str]:
+    """One tiny sweep shared by the table and JSON tests: (stdout, document, stderr)."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     done = bench(
         "--methods", ",".join(CHEAP), "--nprocs", "1,2", "--repeat", "1", "--json", str(out)
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout, json.loads(out.read_text())
+    return done.stdout, json.loads(out.read_text()), done.stderr
+
+
+def test_the_run_says_what_it_measures_and_how_long_before_it_starts(tiny_sweep):
+    _, _, err = tiny_sweep
+    lines = err.splitlines()
+    assert lines[0].startswith(
+        f"fastspawn bench: {len(CHEAP)} method(s) at nprocs 1,2, 1 round(s) each"
+    )
+    # Python methods: a launch and a failure round per nprocs; binaries: a launch.
+    rounds = 2 * (2 * len(PYTHON_CHEAP) + 2)
+    estimate = next(line for line in lines if "rounds to measure" in line)
+    assert estimate.startswith(f"fastspawn bench: {rounds} rounds to measure: about ")
+    assert estimate.endswith(" s") or estimate.endswith(" min")
 
 
 def test_table_has_every_method_and_the_ratio_column(tiny_sweep):
-    table, _ = tiny_sweep
+    table, _, _ = tiny_sweep
     for method in CHEAP:
         assert method in table
     assert "nprocs=1" in table and "nprocs=2" in table
-    header = next(line for line in table.splitlines() if line.startswith("method "))
-    for title in ("created", "all running", "vs mp-spawn", "exit->joined", "failure->reaped"):
-        assert title in header
+    start = next(line for line in table.splitlines() if line.startswith("nprocs=1 start "))
+    for title in ("created", "all running", "vs mp-spawn"):
+        assert title in start
+    end = next(line for line in table.splitlines() if line.startswith("nprocs=1 end "))
+    for title in ("exit->joined", "failure->reaped", "USS MiB"):
+        assert title in end
     assert "vs binary-popen" in table
     assert "vs floor" not in table  # floor did not run
     spawn_rows = [line for line in table.splitlines() if line.startswith("mp-spawn ")]
-    assert len(spawn_rows) == 2 and all("1.00x" in row for row in spawn_rows)
+    # A start row and an end row per nprocs; the ratio is in the start rows.
+    assert len(spawn_rows) == 4 and sum("1.00x" in row for row in spawn_rows) == 2
     fork_row = next(line for line in table.splitlines() if line.startswith("mp-fork "))
     assert any(token.endswith("x") for token in fork_row.split())  # its ratio
     assert "machine:" in table
 
 
 def test_json_follows_the_documented_schema(tiny_sweep):
-    _, document = tiny_sweep
+    _, document, _ = tiny_sweep
     assert validate(document) == []
     assert document["machine"]["fastspawn"] == fastspawn.__version__
     assert document["machine"]["cpu"]
     assert document["config"]["methods"] == CHEAP
     assert document["config"]["nprocs"] == [1, 2]
+    assert document["config"]["full"] is False and document["config"]["caps"] == {}
+    assert document["failed"] is None
     rounds = document["rounds"]
     # Python methods: a launch and a failure round per nprocs; binaries: a launch.
     assert len(rounds) == 2 * (2 * len(PYTHON_CHEAP) + 2)
@@ -235,11 +256,12 @@ def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_pa
     assert seen  # the helper at least, alive for the whole run
     assert still_running(seen) == []
 
-    header = next(line for line in table.splitlines() if line.startswith("method "))
+    header = next(line for line in table.splitlines() if line.startswith("nprocs=1 start "))
     assert "vs floor" in header and "vs mp-spawn" in header
     floor_rows = [line for line in table.splitlines() if line.startswith("floor ")]
-    assert len(floor_rows) == 2 and all("1.00x" in row for row in floor_rows)
-    assert len([line for line in table.splitlines() if line.startswith("floor-sized ")]) == 2
+    # A start row (with the ratios) and an end row per nprocs.
+    assert len(floor_rows) == 4 and sum("1.00x" in row for row in floor_rows) == 2
+    assert len([line for line in table.splitlines() if line.startswith("floor-sized ")]) == 4
 
     document = json.loads(out.read_text())
     assert validate(document) == []
@@ -379,6 +401,80 @@ def test_interrupt_leaves_no_process_behind(sig, status):
     assert still_running(seen) == []
 
 
+_BOMB = """
+import os
+# Counts its imports in the file BENCH_BOMB names; from the BENCH_BOMB_AT-th
+# on, the importing process dies: a rank that fails before its report.
+fd = os.open(os.environ["BENCH_BOMB"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+os.write(fd, b".")
+count = os.fstat(fd).st_size
+os.close(fd)
+if count >= int(os.environ["BENCH_BOMB_AT"]):
+    os._exit(3)
+"""
+
+
+def test_a_failed_round_keeps_the_rounds_before_it_and_names_itself(tmp_path):
+    (tmp_path / "bench_bomb.py").write_text(_BOMB)
+    out = tmp_path / "bench.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path),
+        "BENCH_BOMB": str(tmp_path / "count"),
+        # Imported by the bench (1), mp-spawn's warm-up rank (2), its launch
+        # and failure ranks of round 1 (3, 4); mp-fork's ranks inherit it.
+        # Round 2 of mp-spawn dies; round 2 begins with mp-fork (the order
+        # rotates), so 6 rounds stand.
+        "BENCH_BOMB_AT": "5",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastspawn", "bench", "--methods", "mp-fork,mp-spawn",
+         "--nprocs", "1", "--repeat", "4", "--import", "bench_bomb", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        seen = descendants_while_running(proc, lambda seen: False)  # until it exits
+        table, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert still_running(seen) == []
+    assert "a measurement failed: mp-spawn with nprocs=1, round 2: rank 0 (pid " in err
+    assert "exit code 3 before the bench released it" in err
+    assert f"the rounds measured before it are above and in {out}" in err
+    assert "fastspawn bench --methods mp-spawn --nprocs 1)" in err
+    assert "(the 6 round(s) measured before mp-spawn failed)" in table
+    rows = table.splitlines()
+    assert [row.split()[0] for row in rows if row.startswith("mp-")] == ["mp-spawn", "mp-fork"] * 2
+
+    document = json.loads(out.read_text())
+    assert validate(document) == []
+    failed = document["failed"]
+    assert {k: failed[k] for k in ("method", "nprocs", "round", "kind")} == {
+        "method": "mp-spawn", "nprocs": 1, "round": 1, "kind": "launch",
+    }  # fmt: skip
+    assert "exit code 3" in failed["message"]
+    assert [(r["method"], r["round"], r["kind"]) for r in document["rounds"]] == [
+        ("mp-spawn", 0, "launch"),
+        ("mp-spawn", 0, "failure"),
+        ("mp-fork", 0, "launch"),
+        ("mp-fork", 0, "failure"),
+        ("mp-fork", 1, "launch"),
+        ("mp-fork", 1, "failure"),
+    ]
+    assert {s["method"] for s in document["summary"]} == {"mp-fork", "mp-spawn"}
+
+    # Following its advice measures just that method and size.
+    again = bench("--methods", "mp-spawn", "--nprocs", "1", "--repeat", "1")
+    assert again.returncode == 0, again.stderr
+    assert "mp-spawn" in again.stdout
+
+
 # -------------------------------------------------------------- the pieces
 
 
@@ -456,6 +552,122 @@ def test_quantile_and_summary():
     assert "20.0 (10.0-28.0)" in table and "0.10x" in table and "1.00x" in table
 
 
+def test_the_default_run_is_the_short_one_and_full_the_long_sweep(monkeypatch):
+    monkeypatch.setattr(bench_options, "torch_problem", lambda: None)  # as if torch imported
+
+    def options(*argv: str) -> bench_options.Options:
+        return bench_options.Options(bench_options.build_parser().parse_args(argv), argv)
+
+    short = options("--methods", "torch-spawn,mp-fork")
+    assert (short.nprocs, short.repeat, short.full) == ([1, 8, 64], 3, False)
+    assert short.caps == {"torch-spawn": 8}
+    assert options("--methods", "mp-fork").caps == {}
+    full = options("--methods", "torch-spawn,mp-fork", "--full")
+    assert (full.nprocs, full.repeat, full.caps) == ([1, 8, 64], 5, {})
+    assert options("--methods", "torch-spawn", "--nprocs", "64").caps == {}  # asked for
+    assert options("--full", "--repeat", "2", "--methods", "mp-fork").repeat == 2
+    with pytest.raises(common.UsageError, match="--repeat must be at least 1; got 0"):
+        options("--repeat", "0", "--methods", "mp-fork")
+
+
+def test_the_plan_keeps_a_capped_method_small_and_rotates_the_order():
+    methods = [bench_rounds.make_method(n) for n in ("mp-fork", "torch-spawn", "binary-popen")]
+    rounds = bench_rounds.plan(methods, [1, 8, 64], 3, {"torch-spawn": 8})
+    by = {m.name: [r for r in rounds if r.method is m] for m in methods}
+    assert [(r.nprocs, r.failure) for r in by["torch-spawn"]] == [(1, False)] * 3 + [(8, False)] * 3
+    assert len(by["mp-fork"]) == 18 and sum(r.failure for r in by["mp-fork"]) == 9
+    assert len(by["binary-popen"]) == 9 and not any(r.failure for r in by["binary-popen"])
+    firsts = [next(r for r in rounds if r.nprocs == 1 and r.round_no == k) for k in range(3)]
+    assert [r.method.name for r in firsts] == ["mp-fork", "torch-spawn", "binary-popen"]
+    # A failure round follows its method's launch round.
+    assert all(
+        not r.failure or (rounds[i - 1].method is r.method and not rounds[i - 1].failure)
+        for i, r in enumerate(rounds)
+    )
+
+
+def test_the_estimate_is_a_line_through_the_warm_up_launches():
+    estimate = bench_progress.Estimate()
+    estimate.add("m", 1, 0.5)
+    estimate.add("m", 4, 2.0)
+    assert estimate.round_s("m", 1) == 0.5
+    assert estimate.round_s("m", 64) == pytest.approx(0.5 + 0.5 * 63)
+    # A first launch that paid one-off costs (a server started): the
+    # smaller time stands for one rank.
+    estimate.add("z", 1, 3.0)
+    estimate.add("z", 4, 0.4)
+    assert estimate.round_s("z", 64) == pytest.approx(0.4)
+    estimate.add("one", 1, 0.2)  # no probe: a sweep of single ranks
+    assert estimate.round_s("one", 1) == pytest.approx(0.2)
+    assert estimate.round_s("unknown", 8) == 0.0
+    assert [bench_progress.clock(s) for s in (0.4, 8.4, 85, 120, 599, 840)] == [
+        "0 s", "8 s", "1 min 25 s", "2 min", "9 min 59 s", "14 min",
+    ]  # fmt: skip
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_rounds_time_and_time_left(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(bench_progress.time, "monotonic", lambda: now[0])
+    # Off a terminal: a line at most every interval, nothing in between.
+    log = io.StringIO()
+    progress = bench_progress.Progress(log, interval=10)
+    progress.begin([1.0, 1.0, 2.0])
+    progress.round_starts("mp-fork nprocs=1 round 1")
+    now[0] += 2.0  # twice as long as estimated: the time left doubles too
+    progress.round_done()
+    assert log.getvalue() == ""
+    now[0] += 10.0
+    progress.round_done()
+    assert log.getvalue() == "fastspawn bench: 2/3 rounds, 12 s spent, about 12 s left\n"
+    # On a terminal: a status line before each round, rewritten in place,
+    # and cleared before a line that stays.
+    tty = _Terminal()
+    progress = bench_progress.Progress(tty)
+    progress.begin([1.0, 3.0])
+    progress.round_starts("mp-spawn nprocs=8 round 2 (failure)")
+    assert tty.getvalue() == (
+        "\r\x1b[Kfastspawn bench: 0/2 rounds, 0 s spent, about 4 s left: "
+        "mp-spawn nprocs=8 round 2 (failure)"
+    )
+    progress.round_done()
+    progress.say("done")
+    assert tty.getvalue().endswith("\r\x1b[Kfastspawn bench: done\n")
+
+
+def test_every_line_of_the_report_fits_100_columns():
+    records = []
+    for method in common.ALL_METHODS:
+        for nprocs in (1, 4096):
+            record = bench_rounds.new_record(method, nprocs, 0, "launch")
+            keys = ("created_s", "reaped_s") if method.startswith("binary-") else (
+                "created_s", "running_s", "joined_s", "failure_s")  # fmt: skip
+            record.update(dict.fromkeys(keys, 123.456))  # 123456 ms
+            record["uss_bytes"] = None if method.startswith("binary-") else 123456 * 2**20
+            records.append(record)
+    summary = bench_summary.summarize(records, common.ALL_METHODS)
+    machine = {
+        "cpu": "Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz", "cores": 224,
+        "usable_cores": 224, "kernel": "6.18.44-fc-v669-generic",
+        "python": "3.13.1 (CPython)", "fastspawn": "0.1.0",
+    }  # fmt: skip
+    table = bench_summary.format_table(summary, common.ALL_METHODS, 5, machine)
+    assert "123456 (123456-123456)" in table and "binary-popen-pdeathsig" in table
+    assert max(len(line) for line in table.splitlines()) <= bench_summary.WIDTH == 100
+
+
+def test_every_series_of_the_plot_has_its_own_colour_and_marker():
+    styles = bench_summary.SERIES_STYLE
+    assert set(styles) == set(common.ALL_METHODS)
+    assert len({colour for colour, _ in styles.values()}) == len(styles)
+    assert len({marker for _, marker in styles.values()}) == len(styles)
+    assert bench_summary.HEADLINE == "fastspawn-zygote-warm"
+
+
 def test_the_rank_module_imports_nothing_heavy():
     # Spawn-like ranks import the module of their fn: it must not make them
     # pay for the bench's own imports, nor for fastspawn's launching side.
@@ -484,8 +696,8 @@ def test_floor_ratio_and_its_column():
     assert ratios["binary-popen"] is None  # binaries are not compared with the floor
     machine = {"cpu": "X", "cores": 2, "usable_cores": 2, "kernel": "6", "python": "3"}
     table = bench_summary.format_table(summary, methods, 1, {**machine, "fastspawn": "0"})
-    header = next(line for line in table.splitlines() if line.startswith("method "))
-    assert header.index("vs mp-spawn") < header.index("vs floor") < header.index("exit->joined")
+    header = next(line for line in table.splitlines() if line.startswith("nprocs=8 start "))
+    assert header.index("all running") < header.index("vs mp-spawn") < header.index("vs floor")
     assert "20.0x" in table and "1.00x" in table
     without = bench_summary.summarize(records[1:], methods)
     assert "vs floor" not in bench_summary.format_table(

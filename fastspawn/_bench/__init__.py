@@ -33,8 +33,10 @@ rank needs, so a spawned rank does not pay for the bench's imports.
 The modules: ``ranks`` (what a rank runs), ``common`` (the methods' names,
 the errors), ``session`` (the report FIFO, the live launches), ``methods``
 and ``floor`` (what each method starts), ``rounds`` (a round timed, the
-sweep), ``summary`` (statistics, table, plot), ``host`` (the machine and its
-limits), ``options`` (the command line), ``main`` (a run, start to end).
+plan, the warm-up, the sweep), ``progress`` (the run's estimated length,
+what it shows while it runs), ``summary`` (statistics, table, plot),
+``host`` (the machine and its limits), ``options`` (the command line),
+``main`` (a run, start to end).
 
 JSON output (``--json FILE``)
 -----------------------------
@@ -42,13 +44,19 @@ One object, described by the JSON Schema shipped in this package,
 ``fastspawn/_bench/bench.schema.json`` (draft 2020-12; ``main.load_schema``
 reads it):
 
-- ``schema``: ``"fastspawn-bench/2"``; ``started_at`` (UTC, ISO 8601);
+- ``schema``: ``"fastspawn-bench/3"``; ``started_at`` (UTC, ISO 8601);
   ``duration_s``.
+- ``failed``: null when every round was measured; else the round that
+  failed: ``method``, ``nprocs``, ``round`` (-1: the warm-up), ``kind``,
+  ``message``; ``rounds`` and ``summary`` then hold the rounds finished
+  before it.
 - ``machine``: ``cpu`` (model name from /proc/cpuinfo), ``cores``,
   ``usable_cores`` (CPU affinity), ``kernel``, ``python``, ``fastspawn``
   (version), ``torch`` (version when the run imported it, else null),
   ``memory_bytes``.
-- ``config``: ``methods``, ``nprocs``, ``repeat``, ``imports``,
+- ``config``: ``methods``, ``nprocs``, ``repeat``, ``full`` (--full),
+  ``caps`` (method -> the largest nprocs it ran at, launch rounds only:
+  the default run keeps torch-spawn so), ``imports``,
   ``payload_bytes``, ``binary`` (what binary methods start), ``argv``.
 - ``rounds``: every raw sample, one object per round: ``method``, ``nprocs``,
   ``round`` (0-based), ``kind`` (``"launch"`` or ``"failure"``), and, in

@@ -3,7 +3,7 @@ schema's id, and the bench's two errors."""
 
 from __future__ import annotations
 
-SCHEMA_ID = "fastspawn-bench/2"
+SCHEMA_ID = "fastspawn-bench/3"
 BASELINE = "mp-spawn"
 BINARY_BASELINE = "binary-popen"
 FLOOR = "floor"
@@ -38,3 +38,17 @@ class BenchError(Exception):
 
 class UsageError(Exception):
     """Bad options, or a sweep this machine cannot run: exit status 2."""
+
+
+class RoundFailed(BenchError):
+    """A measured round failed; the rounds before it stand."""
+
+    def __init__(self, method: str, nprocs: int, round_no: int, kind: str, why: str) -> None:
+        when = "the warm-up" if round_no < 0 else f"round {round_no + 1}"
+        what = f"{method} with nprocs={nprocs}, {when}"
+        super().__init__(f"{what}{' (failure round)' if kind == 'failure' else ''}: {why}")
+        self.method = method
+        self.nprocs = nprocs
+        self.round_no = round_no
+        self.kind = kind
+        self.why = why

@@ -9,10 +9,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from fastspawn._bench.common import SCHEMA_ID, BenchError, UsageError
+from fastspawn._bench.common import SCHEMA_ID, RoundFailed, UsageError
 from fastspawn._bench.host import check_limits, machine
 from fastspawn._bench.options import Options, build_parser, import_all
-from fastspawn._bench.rounds import Progress, make_method, summed_uss, sweep
+from fastspawn._bench.progress import Progress, clock
+from fastspawn._bench.rounds import make_method, plan, summed_uss, sweep, warm_up
 from fastspawn._bench.session import Launched, Reports, Session
 from fastspawn._bench.summary import format_table, plot, summarize
 
@@ -129,10 +130,27 @@ def _say(text: str) -> None:
     print(f"fastspawn bench: {text}", file=sys.stderr)
 
 
+def _announce(options: Options, progress: Progress) -> None:
+    nprocs = ",".join(map(str, options.nprocs))
+    capped = "".join(
+        f"; {name} launch rounds up to nprocs {cap}" for name, cap in options.caps.items()
+    )
+    length = "" if options.full else " (--full: the long sweep)"
+    progress.say(
+        f"{len(options.methods)} method(s) at nprocs {nprocs}, {options.repeat} round(s) "
+        f"each{capped}{length}; warming every method up to estimate how long"
+    )
+
+
 def measure(
-    options: Options, reports: Reports, live: list[Launched], children_before: set[int]
-) -> list[Record]:
-    """Run the sweep; whatever happens, nothing it started outlives it."""
+    options: Options,
+    reports: Reports,
+    live: list[Launched],
+    children_before: set[int],
+    records: list[Record],
+) -> None:
+    """Run the sweep into ``records``; whatever happens, nothing it started
+    outlives it, and the rounds finished before a failure stay in ``records``."""
     import shutil
 
     problem = check_limits(max(options.nprocs), options.methods, reports)
@@ -144,10 +162,17 @@ def measure(
     binary = shutil.which("true") or "/bin/true"
     session = Session(reports, options.imports, options.payload_bytes, binary, live)
     methods = [make_method(name) for name in options.methods]
+    rounds = plan(methods, options.nprocs, options.repeat, options.caps)
     progress = Progress(sys.stderr)
+    _announce(options, progress)
+    probe = min(max(options.nprocs), 2 * machine()["usable_cores"])
     with _BareMain(), _Quiet():
         try:
-            return sweep(methods, options.nprocs, options.repeat, session, progress)
+            estimate = warm_up(methods, probe, session, progress)
+            planned_s = [estimate.round_s(r.method.name, r.nprocs) for r in rounds]
+            progress.say(f"{len(rounds)} rounds to measure: about {clock(sum(planned_s))}")
+            progress.begin(planned_s)
+            sweep(rounds, session, progress, records)
         except BaseException:
             # Ctrl-C, SIGTERM or a failed round: a second signal must not cut
             # the clean-up short (main restores the handlers).
@@ -164,42 +189,85 @@ def measure(
                 method.teardown()
 
 
-def report(options: Options, records: list[Record], started: float) -> None:
-    """The table on stdout, then --json and --plot."""
+def _document(
+    options: Options,
+    records: list[Record],
+    summary: list[Record],
+    described: Record,
+    started: float,
+    failed: RoundFailed | None,
+) -> Record:
+    """The --json document (schema: bench.schema.json)."""
+    import shutil
+
+    return {
+        "schema": SCHEMA_ID,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "duration_s": time.time() - started,
+        "machine": described,
+        "config": {
+            "methods": options.methods,
+            "nprocs": options.nprocs,
+            "repeat": options.repeat,
+            "full": options.full,
+            "caps": options.caps,
+            "imports": options.imports,
+            "payload_bytes": options.payload_bytes,
+            "binary": shutil.which("true") or "/bin/true",
+            "argv": options.argv,
+        },
+        "rounds": records,
+        "summary": summary,
+        "failed": None
+        if failed is None
+        else {
+            "method": failed.method,
+            "nprocs": failed.nprocs,
+            "round": failed.round_no,
+            "kind": failed.kind,
+            "message": failed.why,
+        },
+    }
+
+
+def report(
+    options: Options, records: list[Record], started: float, failed: RoundFailed | None = None
+) -> None:
+    """The table on stdout, then --json and --plot: of every round measured,
+    all of them or those finished before ``failed``."""
     described = machine()
     summary = summarize(records, options.methods)
-    sys.stdout.write(format_table(summary, options.methods, options.repeat, described))
-    sys.stdout.flush()
+    if records:
+        if failed is not None:
+            print(f"(the {len(records)} round(s) measured before {failed.method} failed)")
+        sys.stdout.write(format_table(summary, options.methods, options.repeat, described))
+        sys.stdout.flush()
     if options.json is not None:
         import json
-        import shutil
 
-        document = {
-            "schema": SCHEMA_ID,
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "duration_s": time.time() - started,
-            "machine": described,
-            "config": {
-                "methods": options.methods,
-                "nprocs": options.nprocs,
-                "repeat": options.repeat,
-                "imports": options.imports,
-                "payload_bytes": options.payload_bytes,
-                "binary": shutil.which("true") or "/bin/true",
-                "argv": options.argv,
-            },
-            "rounds": records,
-            "summary": summary,
-        }
+        document = _document(options, records, summary, described, started, failed)
         with open(options.json, "w") as f:
             json.dump(document, f, indent=1)
             f.write("\n")
-    if options.plot is not None:
+    if options.plot is not None and records:
         title = (
-            f"fastspawn bench: {described['cpu']}, {described['usable_cores']} usable cores, "
+            f"{described['cpu']}, {described['usable_cores']} usable cores, "
             f"{options.repeat} rounds per point (median, bars min-p90)"
         )
         plot(summary, options.methods, options.plot, title)
+
+
+def _failed(options: Options, exc: RoundFailed, measured: int) -> None:
+    kept = "no round was measured before it"
+    if measured:
+        kept = "the rounds measured before it are above"
+        if options.json is not None:
+            kept += f" and in {options.json}"
+    _say(
+        f"a measurement failed: {exc}\n"
+        f"({kept}; every process the bench started is stopped; to measure just that "
+        f"method and size: fastspawn bench --methods {exc.method} --nprocs {exc.nprocs})"
+    )
 
 
 def run(
@@ -216,18 +284,17 @@ def run(
     for note in options.notes:
         _say(note)
     started = time.time()
+    records: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="fastspawn-bench-") as folder:
         reports = Reports(folder)
         try:
-            records = measure(options, reports, live, children_before)
+            measure(options, reports, live, children_before, records)
         except UsageError as exc:
             _say(f"error: {exc}")
             return 2
-        except BenchError as exc:
-            _say(
-                f"a measurement failed: {exc}\n(every process it started is stopped; "
-                "--methods with just that method reproduces it faster)"
-            )
+        except RoundFailed as exc:
+            report(options, records, started, exc)
+            _failed(options, exc, len(records))
             return 1
         finally:
             reports.close()

@@ -144,6 +144,15 @@ Methods (--methods: names or groups fastspawn, mp, torch, floor, binary;
 default: all, torch-spawn only where torch imports):
 {methods}
 
+How long: by default nprocs 1,8,64 with 3 rounds each, torch-spawn (whose
+every rank imports torch, a second or more of CPU each) kept small: launch
+rounds only, up to nprocs 8; under 2 minutes on 2 cores.  --full is the long
+sweep: 5 rounds, torch-spawn in full (about 14 minutes on 2 cores).  Before measuring, the bench
+launches every method once with one rank and once with a few, untimed, and
+from those says how long the run will take; then it shows the rounds done
+and the time left (a status line on a terminal, a line every 10 s
+elsewhere).
+
 The floor is what forking a rank costs at the least on this machine: a small
 helper interpreter (python -I -S importing os, select, signal, struct and
 time; no fastspawn, no multiprocessing), started untimed, forks the ranks in
@@ -182,7 +191,8 @@ add your program's heavy imports with --import to see what your ranks pay.
 With torch-spawn or --import torch the bench process itself imports torch,
 so fork-based methods then fork a process that holds torch.
 
-Exit status: 0 done; 1 a measurement failed (the message says which rank);
+Exit status: 0 done; 1 a measurement failed (the message names the round
+and why; the rounds finished before it are printed and written to --json);
 2 bad options, a sweep over RLIMIT_NPROC or RLIMIT_NOFILE, --plot without
 matplotlib (checked before measuring anything); 130 on Ctrl-C (143 on SIGTERM),
 after every process the bench started is killed and reaped.
@@ -196,6 +206,12 @@ examples:
   fastspawn bench --methods fastspawn,mp,binary --nprocs 1,8,64 --repeat 3 --plot bench.png
   fastspawn bench --methods floor,fastspawn,mp --nprocs 8,64 --repeat 3
 """
+
+
+DEFAULT_NPROCS = "1,8,64"
+QUICK_REPEAT = 3
+FULL_REPEAT = 5
+QUICK_TORCH_NPROCS = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,16 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nprocs",
-        default="1,8,64",
+        default=None,
         metavar="LIST",
-        help="comma list of rank counts (default: 1,8,64)",
+        help=f"comma list of rank counts (default: {DEFAULT_NPROCS})",
     )
     parser.add_argument(
         "--repeat",
         type=int,
-        default=5,
+        default=None,
         metavar="R",
-        help="rounds per method and nprocs (default: 5)",
+        help=f"rounds per method and nprocs (default: {QUICK_REPEAT}; with --full {FULL_REPEAT})",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the long sweep: {FULL_REPEAT} rounds, torch-spawn in full "
+        "(about 14 minutes on 2 cores with torch)",
     )
     parser.add_argument(
         "--import",
@@ -264,10 +286,22 @@ class Options:
         # torch is imported only where torch-spawn may run (it takes seconds).
         problem = torch_problem() if items & {"all", "torch", "torch-spawn"} else None
         self.methods, self.notes = parse_methods(args.methods, problem)
-        self.nprocs = parse_nprocs(args.nprocs)
-        if args.repeat < 1:
-            raise UsageError(f"--repeat must be at least 1; got {args.repeat}")
-        self.repeat: int = args.repeat
+        self.nprocs = parse_nprocs(args.nprocs or DEFAULT_NPROCS)
+        repeat = args.repeat
+        if repeat is None:
+            repeat = FULL_REPEAT if args.full else QUICK_REPEAT
+        if repeat < 1:
+            raise UsageError(f"--repeat must be at least 1; got {repeat}")
+        self.repeat: int = repeat
+        self.full: bool = args.full
+        # The default run keeps torch-spawn small (launch rounds only, up to
+        # nprocs 8): each of its ranks imports torch.  With --nprocs given,
+        # it runs at every size asked.
+        self.caps: dict[str, int] = (
+            {"torch-spawn": QUICK_TORCH_NPROCS}
+            if "torch-spawn" in self.methods and not args.full and args.nprocs is None
+            else {}
+        )
         self.imports = [m.strip() for m in args.imports.split(",") if m.strip()]
         self.payload_bytes = parse_size(args.payload_bytes)
         _check_output(args.json, "--json")

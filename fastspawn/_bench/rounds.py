@@ -4,9 +4,9 @@ phases timed from the ranks' records; the sweep over methods and sizes."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
-from fastspawn._bench.common import FLOOR, BenchError
+from fastspawn._bench.common import FLOOR, BenchError, RoundFailed
 from fastspawn._bench.floor import FloorMethod
 from fastspawn._bench.methods import (
     BinaryFastspawn,
@@ -16,12 +16,14 @@ from fastspawn._bench.methods import (
     MpMethod,
     TorchMethod,
 )
+from fastspawn._bench.progress import Estimate
 from fastspawn._bench.ranks import ENTERED, EXITED, FAILED
 from fastspawn._bench.session import Session
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
+    from fastspawn._bench.progress import Progress
     from fastspawn._bench.ranks import Record
     from fastspawn._launch.methods.registry import StartMethodName
 
@@ -142,63 +144,76 @@ def binary_round(method: Method, nprocs: int, round_no: int, session: Session) -
     return record
 
 
-class Progress:
-    """One self-erasing status line on stderr; silent unless it is a terminal."""
+class Planned(NamedTuple):
+    """One round to measure."""
 
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.enabled = bool(stream is not None and stream.isatty())
-        self.shown = False
+    method: Method
+    nprocs: int
+    round_no: int
+    failure: bool
 
-    def show(self, text: str) -> None:
-        if self.enabled:
-            self.stream.write("\r\x1b[K" + text)
-            self.stream.flush()
-            self.shown = True
 
-    def clear(self) -> None:
-        if self.enabled and self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            self.shown = False
+def plan(
+    methods: Sequence[Method], nprocs_list: Sequence[int], repeat: int, caps: Mapping[str, int]
+) -> list[Planned]:
+    """Every round, in order: by nprocs, then round number; within a round
+    number every method once (failure round after launch round), the order
+    rotated each time so that drift on a noisy machine hits them all alike
+    and no method always follows the same one.  A method in ``caps`` is kept
+    small: launch rounds only, at nprocs up to its cap."""
+    rounds = []
+    for nprocs in nprocs_list:
+        here = [m for m in methods if nprocs <= caps.get(m.name, nprocs)]
+        for round_no in range(repeat):
+            shift = round_no % len(here) if here else 0
+            for method in [*here[shift:], *here[:shift]]:
+                failures = method.failure_round and method.name not in caps
+                for failure in (False, True) if failures else (False,):
+                    rounds.append(Planned(method, nprocs, round_no, failure))
+    return rounds
+
+
+def measure_round(planned: Planned, session: Session) -> Record:
+    """The round measured, or RoundFailed naming it."""
+    method, nprocs, round_no, failure = planned
+    try:
+        if method.binary:
+            return binary_round(method, nprocs, round_no, session)
+        return python_round(method, nprocs, round_no, session, failure)
+    except Exception as exc:  # a launch refused (EAGAIN, ENOMEM, ...) or a rank failed
+        why = str(exc) if isinstance(exc, BenchError) else f"{type(exc).__name__}: {exc}"
+        kind = "failure" if failure else "launch"
+        raise RoundFailed(method.name, nprocs, round_no, kind, why) from exc
+
+
+def warm_up(
+    methods: Sequence[Method], probe: int, session: Session, progress: Progress
+) -> Estimate:
+    """Set every method up and launch it once with one rank (starts servers,
+    fills caches), then with ``probe`` ranks; neither is recorded, both
+    time the estimate."""
+    estimate = Estimate()
+    for method in methods:
+        progress.status(f"warming up {method.name}")
+        method.setup(session)
+        for nprocs in (1, probe) if probe > 1 else (1,):
+            started = time.monotonic()
+            measure_round(Planned(method, nprocs, -1, False), session)
+            estimate.add(method.name, nprocs, time.monotonic() - started)
+    progress.clear()
+    return estimate
 
 
 def sweep(
-    methods: Sequence[Method],
-    nprocs_list: Sequence[int],
-    repeat: int,
-    session: Session,
-    progress: Progress,
-) -> list[Record]:
-    """Every method, nprocs and round; rounds interleave the methods."""
-
-    def one(method: Method, nprocs: int, round_no: int, failure: bool) -> Record:
-        try:
-            if method.binary:
-                return binary_round(method, nprocs, round_no, session)
-            return python_round(method, nprocs, round_no, session, failure)
-        except BenchError as exc:
-            raise BenchError(f"{method.name} with nprocs={nprocs}: {exc}") from exc
-        except Exception as exc:  # a launch refused (EAGAIN, ENOMEM, ...) or a rank failed
-            raise BenchError(
-                f"{method.name} with nprocs={nprocs}: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    for method in methods:
-        progress.show(f"fastspawn bench: warming up {method.name}")
-        method.setup(session)
-        one(method, 1, 0, False)  # starts servers, fills caches; not recorded
-    records = []
-    for nprocs in nprocs_list:
-        for round_no in range(repeat):
-            # Rotate the order too, so that no method always follows the same one.
-            shift = round_no % len(methods)
-            for method in [*methods[shift:], *methods[:shift]]:
-                for failure in (False, True) if method.failure_round else (False,):
-                    progress.show(
-                        f"fastspawn bench: {method.name}  nprocs={nprocs}  "
-                        f"round {round_no + 1}/{repeat}{'  (failure)' if failure else ''}"
-                    )
-                    records.append(one(method, nprocs, round_no, failure))
+    rounds: Sequence[Planned], session: Session, progress: Progress, records: list[Record]
+) -> None:
+    """Measure ``rounds`` in order into ``records``: a failed round raises
+    RoundFailed, and the records of the rounds before it stay."""
+    for planned in rounds:
+        method, nprocs, round_no, failure = planned
+        progress.round_starts(
+            f"{method.name} nprocs={nprocs} round {round_no + 1}{' (failure)' if failure else ''}"
+        )
+        records.append(measure_round(planned, session))
+        progress.round_done()
     progress.clear()
-    return records

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastspawn._bench.common import ALL_METHODS, BASELINE, BINARY_BASELINE, FLOOR
+from fastspawn._bench.common import BASELINE, BINARY_BASELINE, FLOOR
 from fastspawn._bench.rounds import PHASE_KEYS, PHASES
 
 if TYPE_CHECKING:
@@ -95,20 +95,25 @@ def _cell(stats: Record | None) -> str:
 
 
 # (key, title); a key "field:phase" shows that field of the phase's summary.
-_PY_COLUMNS = [
+# Two tables per nprocs, so that each fits 100 columns: how the ranks start,
+# then how they end and what they hold.
+_START_COLUMNS = [
     ("created", "created"),
     ("running", "all running"),
     ("ratio:running", f"vs {BASELINE}"),
+]
+_FLOOR_COLUMN = ("floor_ratio:running", f"vs {FLOOR}")  # after the baseline's, when floor ran
+_END_COLUMNS = [
     ("joined", "exit->joined"),
     ("failure", "failure->reaped"),
     ("uss", "USS MiB"),
 ]
-_FLOOR_COLUMN = ("floor_ratio:running", f"vs {FLOOR}")  # after the baseline's, when floor ran
 _BIN_COLUMNS = [
     ("created", "created"),
     ("reaped", "all reaped"),
     ("ratio:reaped", f"vs {BINARY_BASELINE}"),
 ]
+WIDTH = 100  # the report's lines fit this many columns
 
 
 def _grid(rows: list[list[str]]) -> list[str]:
@@ -133,39 +138,47 @@ def _row(
     return row
 
 
+def _legend(floor_ran: bool, repeat: int, machine: Record) -> list[str]:
+    lines = [
+        f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90), times in",
+        "ms from the launch call (exit->joined: from the last rank's return; failure->reaped:",
+        "from the failing rank's raise); USS summed over the ranks.",
+        f"vs {BASELINE} / vs {BINARY_BASELINE}: the method's median over the baseline's "
+        "(below 1: faster).",
+    ]
+    if floor_ran:
+        lines.append(
+            f"vs {FLOOR}: the method's all running median over {FLOOR}'s (a bare os.fork() loop)."
+        )
+    lines.append("machine: {cpu}, {cores} cores ({usable_cores} usable),".format(**machine))
+    lines.append(
+        "         Linux {kernel}, Python {python}, fastspawn {fastspawn}".format(**machine)
+    )
+    return lines
+
+
 def format_table(
     summary: Sequence[Record], methods: Sequence[str], repeat: int, machine: Record
 ) -> str:
-    """The terminal report: one block per nprocs, a row per method."""
+    """The terminal report: per nprocs, a table of how the ranks start and
+    one of how they end (a row per method each), then the binaries'."""
     stats = {(s["method"], s["nprocs"], s["phase"]): s for s in summary}
     floor_ran = any(s["method"] == FLOOR for s in summary)
-    lines = [
-        f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90),",
-        "times in ms from the launch call (exit->joined: from the last rank's return;",
-        "failure->reaped: from the failing rank's raise); USS summed over the ranks.",
-        f"vs {BASELINE} / vs {BINARY_BASELINE}: this method's median over the baseline's "
-        "(below 1: faster).",
-    ]
-    py_columns = list(_PY_COLUMNS)
-    if floor_ran:
-        lines.append(
-            f"vs {FLOOR}: this method's all running median over {FLOOR}'s, a bare os.fork() "
-            "loop in a small interpreter."
-        )
-        py_columns.insert(py_columns.index(("ratio:running", f"vs {BASELINE}")) + 1, _FLOOR_COLUMN)
-    lines.append(
-        "machine: {cpu}, {cores} cores ({usable_cores} usable), Linux {kernel}, "
-        "Python {python}, fastspawn {fastspawn}".format(**machine)
+    lines = _legend(floor_ran, repeat, machine)
+    start_columns = [*_START_COLUMNS, _FLOOR_COLUMN] if floor_ran else _START_COLUMNS
+    tables = (
+        ("start", False, start_columns),
+        ("end", False, _END_COLUMNS),
+        ("binaries", True, _BIN_COLUMNS),
     )
     for nprocs in sorted({s["nprocs"] for s in summary}):
-        lines.append("")
-        lines.append(f"nprocs={nprocs}")
-        for binary, columns in ((False, py_columns), (True, _BIN_COLUMNS)):
+        for title, binary, columns in tables:
             names = [m for m in methods if m.startswith("binary-") == binary]
             names = [m for m in names if any((m, nprocs, p) in stats for p in PHASES)]
             if not names:
                 continue
-            rows = [["binary method" if binary else "method"] + [title for _, title in columns]]
+            lines.append("")
+            rows = [[f"nprocs={nprocs} {title}"] + [name for _, name in columns]]
             rows.extend(_row(name, nprocs, columns, stats) for name in names)
             lines.extend(_grid(rows))
     return "\n".join(lines) + "\n"
@@ -181,49 +194,86 @@ _PANELS = [
 ]
 
 
-def plot(summary: Sequence[Record], methods: Sequence[str], path: str, title: str) -> None:
-    """Median latency (bars: min to p90) against nprocs, log-log, a panel per phase."""
+# One colour and one marker per method, whatever subset runs: no two series
+# alike.  The headline, fastspawn's default method warm, is black, thick and
+# drawn last, over the others.
+HEADLINE = "fastspawn-zygote-warm"
+SERIES_STYLE: dict[str, tuple[str, str]] = {
+    HEADLINE: ("#000000", "o"),
+    "fastspawn-zygote-cold": ("#e6194b", "s"),
+    "fastspawn-spawn": ("#4363d8", "^"),
+    "fastspawn-fork": ("#3cb44b", "v"),
+    "fastspawn-forkserver": ("#f58231", "D"),
+    "mp-spawn": ("#911eb4", "P"),
+    "mp-fork": ("#42d4f4", "X"),
+    "mp-forkserver": ("#f032e6", "*"),
+    "torch-spawn": ("#9a6324", "h"),
+    "floor": ("#808080", "<"),
+    "floor-sized": ("#469990", ">"),
+    "binary-fastspawn": ("#000075", "p"),
+    "binary-popen": ("#808000", "d"),
+    "binary-popen-pdeathsig": ("#800000", "8"),
+}
+_LINES = {"fastspawn": "-", "mp": "--", "torch": ":", "floor": "-", "binary": "-."}
+
+
+def _draw(ax: Any, summary: Sequence[Record], name: str, phase: str) -> Any:
+    """One method's medians (bars: min to p90) in one panel; None if absent."""
+    scale = 1000.0 if phase != "uss" else 1.0 / 2**20
+    points = sorted(
+        (s["nprocs"], s["median"] * scale, s["min"] * scale, s["p90"] * scale)
+        for s in summary
+        if s["method"] == name and s["phase"] == phase
+    )
+    if not points:
+        return None
+    xs, med, low, high = (list(column) for column in zip(*points, strict=True))
+    colour, marker = SERIES_STYLE[name]
+    headline = name == HEADLINE
+    return ax.errorbar(
+        xs,
+        med,
+        yerr=[
+            [m - lo for m, lo in zip(med, low, strict=True)],
+            [h - m for m, h in zip(med, high, strict=True)],
+        ],
+        marker=marker,
+        # See-through and hollow on top: a method that coincides with it
+        # (fastspawn-forkserver is the zygote too) still shows under it.
+        alpha=0.7 if headline else 1.0,
+        markerfacecolor="none" if headline else colour,
+        markersize=8 if headline else 5,
+        linewidth=2.6 if headline else 1.2,
+        capsize=2,
+        linestyle=_LINES[name.split("-", 1)[0]],
+        color=colour,
+        zorder=10 if headline else 2,
+        label=name,
+    )
+
+
+def plot(summary: Sequence[Record], methods: Sequence[str], path: str, machine: str) -> None:
+    """Median latency (bars: min to p90) against nprocs, log-log, a panel
+    per phase; ``machine`` goes under the title."""
     import importlib
 
     matplotlib = importlib.import_module("matplotlib")
     matplotlib.use("Agg")  # no display needed
     plt = importlib.import_module("matplotlib.pyplot")
+    ticker = importlib.import_module("matplotlib.ticker")
     panels = [(p, t) for p, t in _PANELS if any(s["phase"] == p for s in summary)]
     cols = 3 if len(panels) > 4 else 2
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
-    ticker = importlib.import_module("matplotlib.ticker")
-    # A fixed color per method, whatever subset runs: tab10 plus three.
-    palette = [*plt.get_cmap("tab10").colors, "black", "goldenrod", "grey"]
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 4.4 * rows), squeeze=False)
     ticks = sorted({s["nprocs"] for s in summary})
-    styles = {"fastspawn": "-", "mp": "--", "torch": ":", "floor": "-", "binary": "-."}
+    # The headline last, so that nothing covers it.
+    order = [m for m in methods if m != HEADLINE] + [m for m in methods if m == HEADLINE]
     handles: dict[str, Any] = {}
     for ax, (phase, panel_title) in zip(axes.flat, panels, strict=False):
-        scale = 1000.0 if phase != "uss" else 1.0 / 2**20
-        for name in methods:
-            points = sorted(
-                (s["nprocs"], s["median"] * scale, s["min"] * scale, s["p90"] * scale)
-                for s in summary
-                if s["method"] == name and s["phase"] == phase
-            )
-            if not points:
-                continue
-            xs, med, low, high = (list(column) for column in zip(*points, strict=True))
-            line = ax.errorbar(
-                xs,
-                med,
-                yerr=[
-                    [m - lo for m, lo in zip(med, low, strict=True)],
-                    [h - m for m, h in zip(med, high, strict=True)],
-                ],
-                marker="o",
-                markersize=3,
-                capsize=2,
-                linestyle=styles[name.split("-", 1)[0]],
-                color=palette[ALL_METHODS.index(name) % len(palette)],
-                label=name,
-            )
-            handles[name] = line
+        for name in order:
+            drawn = _draw(ax, summary, name, phase)
+            if drawn is not None:
+                handles[name] = drawn
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ticks)
@@ -234,8 +284,14 @@ def plot(summary: Sequence[Record], methods: Sequence[str], path: str, title: st
         ax.grid(True, which="both", alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    fig.suptitle(title, fontsize=10)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(handles) + 3) // 4), 1, 0.96))
+    shown = [m for m in methods if m in handles]  # the legend in the table's order
+    headline = (
+        f"{HEADLINE} (black, thick) against {len(shown) - 1} other method(s)"
+        if HEADLINE in handles
+        else f"{len(shown)} method(s)"
+    )
+    fig.suptitle(f"fastspawn bench: {headline}\n{machine}", fontsize=11)
+    fig.legend([handles[m] for m in shown], shown, loc="lower center", ncol=4, fontsize=9)
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(shown) + 3) // 4), 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
