@@ -132,14 +132,14 @@ def _say(text: str) -> None:
 
 def _announce(options: Options, progress: Progress) -> None:
     nprocs = ",".join(map(str, options.nprocs))
-    capped = "".join(
-        f"; {name} launch rounds up to nprocs {cap}" for name, cap in options.caps.items()
-    )
     length = "" if options.full else " (--full: the long sweep)"
     progress.say(
         f"{len(options.methods)} method(s) at nprocs {nprocs}, {options.repeat} round(s) "
-        f"each{capped}{length}; warming every method up to estimate how long"
+        f"each{length}"
     )
+    for name, cap in options.caps.items():
+        progress.say(f"{name}: launch rounds only, up to nprocs {cap}")
+    progress.say("warming every method up to estimate how long the rounds take")
 
 
 def measure(
