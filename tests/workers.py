@@ -120,6 +120,10 @@ def kill_self_with(rank: int, signum: int) -> None:
     time.sleep(5)
 
 
+def total(rank: int, values: Any) -> int:
+    return rank + sum(values)
+
+
 def sleep_for(rank: int, seconds: float) -> None:
     time.sleep(seconds)
 

@@ -112,9 +112,11 @@ def make_temporary_log_dir() -> str:
     try:
         return tempfile.mkdtemp(prefix="fastspawn-run-")
     except OSError as exc:
+        # Not gettempdir(): where no candidate is usable, it raises again.
+        where = f" in {tempfile.tempdir}" if tempfile.tempdir else ""
         raise LogDirError(
-            f"fastspawn run: cannot make a log directory in {tempfile.gettempdir()}: "
-            f"{exc.strerror or exc}; give --log-dir or set TMPDIR"
+            f"fastspawn run: cannot make a log directory{where}: {exc.strerror or exc}; "
+            "give --log-dir, or set TMPDIR to a directory you can write to"
         ) from exc
 
 

@@ -37,6 +37,7 @@ from fastspawn._cli.topology import (
 )
 from fastspawn._launch import context as launch_context
 from fastspawn._launch.methods import helpers
+from fastspawn._os import limits as _limits
 from fastspawn._os import numa as _numa
 from fastspawn.elastic import logs as elastic_logs
 
@@ -205,10 +206,11 @@ def run_with_agent(args: argparse.Namespace, program: Program) -> int:
                 args, nprocs, program.entrypoint, program.argv, program.preload, log_dir
             )
     except _torchrun.TorchMissing as exc:
+        option = _dynamic_rendezvous(args)
         print(
-            f"fastspawn run: {_dynamic_rendezvous(args)} runs torch's elastic agent, which "
-            f"needs torch ({exc}); install torch, or use the static rendezvous, which does "
-            "not: --nnodes N --node-rank R --master-addr HOST --master-port PORT",
+            f"fastspawn run: {option} runs torch's elastic agent, which needs torch "
+            f"({exc}); install torch, or use the static rendezvous in place of {option}, "
+            "which does not: --nnodes N --node-rank R --master-addr HOST --master-port PORT",
             file=sys.stderr,
         )
         return 2
@@ -331,6 +333,9 @@ def run_attempt(
         return 128 + int(exc.sigval)
     except OSError as exc:
         return _cannot_start(config.program, exc)
+    except _limits.LimitError as exc:  # each rank's pipes and log files counted
+        print(f"fastspawn run: {exc}", file=sys.stderr)
+        return 2
 
 
 def _agent_envs(config: RunConfig) -> dict[str, str]:

@@ -200,8 +200,9 @@ def resolve_nprocs(value: int | str) -> int:
     which needs torch, but auto without torch counts CPUs).
 
     Raises:
-        UsageError: torch is needed and missing, or the count is above the
-            limits on processes or open files.
+        UsageError: torch is needed and missing, the devices counted are
+            not there, or the count is above the limits on processes or open
+            files.
     """
     if isinstance(value, int):
         return value
@@ -215,7 +216,12 @@ def resolve_nprocs(value: int | str) -> int:
                 f"--nproc-per-node {value} counts devices through torch, "
                 "which is not installed: give a number"
             ) from None
-        count = int(determine_local_world_size(value))
+        try:
+            count = int(determine_local_world_size(value))
+        except ValueError as exc:  # torch's "Cuda is not available."
+            raise UsageError(
+                f"--nproc-per-node {value}: {str(exc).rstrip('.')}: give a number, or cpu or auto"
+            ) from None
     try:
         _limits.check_nprocs(count, f"a launch of {count} ranks", "lower --nproc-per-node")
     except ValueError as exc:

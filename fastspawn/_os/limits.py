@@ -180,10 +180,15 @@ def _nproc_problem(demand: Demand, limits: Limits) -> str | None:
 def _nofile_problem(demand: Demand, limits: Limits) -> str | None:
     if limits.nofile is None or demand.fds <= limits.nofile:
         return None
+    fewer = demand.fewer
+    if demand.fds_open:  # the fds held counted: how many ranks fit beside them
+        fit = (limits.nofile - demand.fds_open - demand.spare_fds) // demand.fds_per_rank
+        if fit > 0:
+            fewer += f" (at most {fit} here)"
     return (
         f"{demand.subject} needs {demand.about}{demand.fds} open files in {demand.holder} "
         f"({demand.fds_per_rank} per rank), but RLIMIT_NOFILE (ulimit -n) is "
-        f"{limits.nofile}: {demand.fewer}, or raise the limit with ulimit -n {demand.fds}"
+        f"{limits.nofile}: {fewer}, or raise the limit with ulimit -n {demand.fds}"
     )
 
 
@@ -202,18 +207,46 @@ def _machine_problem(demand: Demand, limits: Limits) -> str | None:
     return None
 
 
-def check_nprocs(nprocs: int, subject: str, fewer: str = "start fewer ranks") -> None:
+# fds a launch opens in the caller beside a pidfd per rank (its report
+# channel, the zygote's socket and pidfd, the warden's, an epoll set: 4 to 5
+# measured), with room to spare.
+LAUNCH_FDS = 16
+
+
+class LimitError(ValueError):
+    """A launch that the limits on processes or open files cannot let start;
+    the message names the limit, its value and what to do."""
+
+
+def check_nprocs(
+    nprocs: int, subject: str, fewer: str = "start fewer ranks", fds_per_rank: int = 1
+) -> None:
     """Refuse a launch of ``nprocs`` ranks that no limit lets start.
 
+    The refusal counts the ranks alone (see :class:`Demand`); the limit on
+    open files it advises counts the fds this process holds now and a
+    launch's own as well, so that the launch starts once it is raised so.
+
+    Args:
+        fds_per_rank: the fds the caller holds per rank at once while the
+            ranks start (a pidfd; fastspawn.elastic adds the ranks' pipes
+            and log files).
+
     Raises:
-        ValueError: ``nprocs`` processes beside the caller's own are more
+        LimitError: ``nprocs`` processes beside the caller's own are more
             than the caller's RLIMIT_NPROC (where enforced), kernel.pid_max
-            or kernel.threads-max allow, or ``nprocs`` pidfds more than its
-            RLIMIT_NOFILE; the message names the limit and its value.
+            or kernel.threads-max allow, or ``nprocs * fds_per_rank`` fds
+            more than its RLIMIT_NOFILE; the message names the limit, its
+            value and what to do.
     """
-    why = problem(Demand(nprocs, subject, fewer), Limits.current())
-    if why is not None:
-        raise ValueError(why)
+    limits = Limits.current()
+    if problem(Demand(nprocs, subject, fewer, fds_per_rank=fds_per_rank), limits) is None:
+        return
+    held = len(os.listdir("/proc/self/fd")) - 1  # the listing's own fd left out
+    demand = Demand(
+        nprocs, subject, fewer, fds_per_rank=fds_per_rank, fds_open=held, spare_fds=LAUNCH_FDS
+    )
+    raise LimitError(problem(demand, limits))
 
 
 def nproc_enforced() -> bool:

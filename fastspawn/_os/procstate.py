@@ -147,6 +147,32 @@ def adopt_fork_limits(diff: dict[str, Any]) -> list[tuple[int, tuple[int, int]]]
     return [(number, own)]
 
 
+def adopt_open_files_limit(diff: dict[str, Any]) -> list[tuple[int, tuple[int, int]]]:
+    """Serve a launch, in this process (the zygote), under the caller's
+    soft RLIMIT_NOFILE where it is higher than ours (from ``diff``, see
+    ``changed``): the zygote receives the ranks' stdio fds and opens a
+    pidfd per rank, and a caller that raised its limit for a launch after
+    the zygote started (as the error for running out of fds tells it to)
+    must not meet its old limit here again.  Only raised, and only as far
+    as our hard limit; ``restore_limits`` puts it back after the launch,
+    so later workers inherit the zygote's limit, as before."""
+    import resource
+
+    number = resource.RLIMIT_NOFILE
+    wanted = diff.get("rlimits", {}).get(number)
+    if wanted is None:
+        return []
+    own = resource.getrlimit(number)
+    soft = _at_most(wanted[0], own[1])
+    if _at_most(soft, own[0]) == soft:  # not above ours
+        return []
+    try:
+        resource.setrlimit(number, (soft, own[1]))
+    except (OSError, ValueError):
+        return []
+    return [(number, own)]
+
+
 def restore_limits(saved: list[tuple[int, tuple[int, int]]]) -> None:
     """Put back the limits ``adopt_fork_limits`` changed (soft ones only,
     below the hard limit it left alone: always allowed)."""

@@ -42,9 +42,18 @@ class SpawnContext(ProcessContext):
     """
 
     def __new__(cls, processes: Sequence[Any], receiver: Any, daemon: bool = False) -> SpawnContext:
-        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
+        message = "SpawnContext is renamed to ProcessContext since 1.4 release."
         if cls is SpawnContext and not isinstance(receiver, Receiver):
             cls = StartedProcessesContext
+            # torch's words first (filters match them); then why they do not
+            # apply: fastspawn.ProcessContext(processes, error_files) raises,
+            # naming SpawnContext, and the advice would go round in a loop.
+            message += (
+                " fastspawn's ProcessContext is made by start_processes and takes no error "
+                "files: for processes started otherwise, keep SpawnContext(processes, "
+                "error_files)."
+            )
+        warnings.warn(message, stacklevel=2)
         return super().__new__(cls)
 
     def __init__(self, processes: Sequence[Any], receiver: Any, daemon: bool = False) -> None:

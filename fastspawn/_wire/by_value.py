@@ -141,24 +141,15 @@ def _culprit(
     return []
 
 
-def describe_failure(
-    what: str, obj: Any, exc: Exception, fails: Callable[[Any], Exception | None]
-) -> str:
-    """The pre-launch error for ``obj`` (``what`` names it), which failed
-    with ``exc``: which object inside it cannot be pickled, where it sits,
-    and what to do."""
+def culprit(
+    obj: Any, fails: Callable[[Any], Exception | None]
+) -> tuple[str, Any, Exception] | None:
+    """What, inside ``obj`` (which fails to pickle), cannot be pickled on
+    its own: ``(where it sits, that part, its exception)``, ``where`` a path
+    such as ``"global 'q' of work() -> item 0"``; None when no part of
+    ``obj`` fails alone (``obj`` itself is the culprit)."""
     path = _culprit(obj, fails, {id(obj)})
-    if path:
-        where = " -> ".join(step for step, _part, _exc in path)
-        _where, part, exc = path[-1]
-        inner = f": it refers to {where}, a {type(part).__name__} ({part!r:.60}), which"
-    else:
-        inner = ", which"
-    return (
-        f"{what}{inner} cannot be pickled ({type(exc).__name__}: {exc}). Functions and "
-        "classes defined in this __main__ (a notebook, the interactive prompt, python -c, "
-        "stdin) travel to the workers by value, with what they refer to; create such an "
-        "object inside the function (or in an importable module) instead of in __main__, "
-        "pass what it is made from in args, or start the workers with "
-        "fastspawn.start_processes(..., start_method='fork'), which pickles nothing."
-    )
+    if not path:
+        return None
+    _where, part, exc = path[-1]
+    return " -> ".join(step for step, _part, _exc in path), part, exc

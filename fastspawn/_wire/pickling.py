@@ -128,15 +128,24 @@ def describe_unpicklable(fn: Any, args: Sequence[Any], start_method: str) -> str
         if not main_is_importable():
             from fastspawn._wire import by_value
 
-            return by_value.describe_failure(what, obj, exc, _pickles)
+            found = by_value.culprit(obj, _pickles)
+            if found is not None:
+                where, part, inner = found
+                return (
+                    f"{what}: it refers to {where}, a {type(part).__name__} ({part!r:.60}), "
+                    f"which cannot be pickled ({type(inner).__name__}: {inner}). "
+                    + _what_to_do(inner, by_value=True)
+                )
         return f"{what}: {type(exc).__name__}: {str(exc).rstrip('.')}. {_what_to_do(exc)}"
     return None
 
 
-def _what_to_do(exc: BaseException) -> str:
+def _what_to_do(exc: BaseException, by_value: bool = False) -> str:
     """The advice for an object that cannot be pickled: one that works when
     followed (fastspawn.spawn() takes only spawn-safe methods, so "use
-    fork" is advice for start_processes)."""
+    fork" is advice for start_processes).  ``by_value``: the object is
+    something a function or class of a ``__main__`` without a file refers
+    to, which travels with it."""
     fork_only = "start them with fastspawn.start_processes(..., start_method='fork')"
     if "fork context" in str(exc):
         # A Queue, Lock, Event, Value... made by multiprocessing's default
@@ -147,6 +156,17 @@ def _what_to_do(exc: BaseException) -> str:
             "context on Linux): make it, and what shares it, from "
             "multiprocessing.get_context('spawn') (torch: torch.multiprocessing."
             f"get_context('spawn')), which every start method can take; or {fork_only}."
+        )
+    if by_value:
+        # Not "in an importable module" alone: imported into __main__ with
+        # "from module import name", the object still travels by value.
+        return (
+            "Functions and classes defined in this __main__ (a notebook, the interactive "
+            "prompt, python -c, stdin) travel to the workers by value, with what they "
+            "refer to: create such an object inside the function, define the function in "
+            "an importable module (it then travels by name, and finds the object there), "
+            f"pass what the object is made from in args, or {fork_only}, which pickles "
+            "nothing."
         )
     return (
         f"Define functions at module top level and pass picklable arguments, or {fork_only}, "

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Sequence
 
-from fastspawn._os import hugepages, oscall
+from fastspawn._os import hugepages, oscall, procstate
 from fastspawn._os.children import children_of, kill_children
 from fastspawn._wire import channel as _channel
 from fastspawn._wire import pickling
@@ -190,12 +190,27 @@ class Zygote:
         # memfd, not in the control message, whose size is capped (~200 KB).
         payload = worker_spawned.read_payload(fds[1])
         header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
-        carried = fds[2:]
+        launch = Launch(tx, header.nprocs)
+        saved_limits = procstate.adopt_open_files_limit(header.process_state)
+        try:
+            pids = self.start_ranks(header, payload, fds[2:], launch)
+            send_pidfds(launch, pids)
+        finally:
+            procstate.restore_limits(saved_limits)
+        self.channels[tx.fileno()] = launch
+        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
+        self.on_writable(launch)
+
+    def start_ranks(
+        self, header: protocol.LaunchHeader, payload: io.BytesIO, carried: list[int], launch: Launch
+    ) -> list[int]:
+        """Receive the rest of a launch's fds, take on the caller's state and
+        start the ranks; their pids (none when the launch failed, which is
+        reported on its channel)."""
         carried += self.receive_fds(header.fd_count() - len(carried))
         user_fds = carried[: header.user_fds]
         stdio = LaunchStdio(header, carried[header.user_fds :])
-        launch = Launch(tx, header.nprocs)
-        fn, args, payload_error = self.prepare(header, payload, user_fds, tx)
+        fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
         if header.binary is not None and payload_error is None:
             pids = self.forker.start_binaries(header, launch, stdio)
         else:
@@ -215,10 +230,7 @@ class Zygote:
         # that a large unpickling pushed into the old generation.
         gc.collect()
         self.settle()  # what unpickling imported (the module of fn, say)
-        send_pidfds(launch, pids)
-        self.channels[tx.fileno()] = launch
-        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
-        self.on_writable(launch)
+        return pids
 
     def prepare(
         self,

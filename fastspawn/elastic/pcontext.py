@@ -102,6 +102,31 @@ def resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
     return path
 
 
+def fds_per_rank(
+    stdouts: Mapping[int, str],
+    stderrs: Mapping[int, str],
+    tee_stdouts: Mapping[int, bool],
+    tee_stderrs: Mapping[int, bool],
+) -> int:
+    """The most fds the launcher holds for one rank at once while the ranks
+    start (see ``PContext._open_stdio``): its pidfd, and per stream a pipe
+    and a log file where it is tee'd, a log file where it is redirected."""
+
+    def stream(path: str, tee: bool) -> int:
+        if tee:
+            return 2 + (1 if path and path != os.devnull else 0)
+        return 1 if path else 0
+
+    return 1 + max(
+        (
+            stream(stdouts[rank], tee_stdouts.get(rank, False))
+            + stream(stderrs[rank], tee_stderrs.get(rank, False))
+            for rank in stdouts
+        ),
+        default=0,
+    )
+
+
 class PContext:
     """The ranks of one ``start_processes`` call."""
 

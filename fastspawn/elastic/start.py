@@ -111,7 +111,8 @@ def start_processes(
         FileNotFoundError, PermissionError: the binary cannot be found or run.
         ValueError: an unknown ``start_method`` (the message lists the valid
             ones), more ranks than the limits on processes or open files
-            allow (the message names the limit), or filters given where the
+            allow, each rank's pipes and log files counted (the message
+            names the limit and the value that fits), or filters given where the
             ``LogsDest`` names no filtered file.
         TypeError: a filter list that is a string, or holds a non-string.
         RuntimeError: ``numa_options`` cannot apply here (see above).
@@ -120,7 +121,8 @@ def start_processes(
     method_name = registry.get(start_method).name
     directory, logs_specs = logs.checked_log_args(log_dir, logs_specs, redirects, tee)
     nprocs = len(args)
-    _limits.check_nprocs(nprocs, f"a launch of {nprocs} ranks (len(args))")
+    subject = f"a launch of {nprocs} ranks (len(args))"
+    _limits.check_nprocs(nprocs, subject)
     _validate_full_rank(args, nprocs, "args")
     _validate_full_rank(envs, nprocs, "envs")
     if isinstance(redirects, str) or isinstance(tee, str):
@@ -145,6 +147,11 @@ def start_processes(
         stderrs = {rank: dest.stderrs.get(rank, "") for rank in range(nprocs)}
         tee_out = logs.tee_flags(dest.tee_stdouts, stdouts, "stdout")
         tee_err = logs.tee_flags(dest.tee_stderrs, stderrs, "stderr")
+        # Again, now that each rank's pipes and log files are known: the
+        # limit on open files it advises must let them all open.
+        per_rank = pcontext.fds_per_rank(stdouts, stderrs, tee_out, tee_err)
+        if per_rank > 1:
+            _limits.check_nprocs(nprocs, subject, fds_per_rank=per_rank)
         error_files = {rank: dest.error_files.get(rank, os.devnull) for rank in range(nprocs)}
         for rank, path in error_files.items():
             rank_envs[rank].setdefault(ERROR_FILE_ENV, "" if path == os.devnull else path)

@@ -196,10 +196,13 @@ def _launch_error(failure: LaunchFailure | None) -> Exception:
     if failure is not None:
         why = failure.detail
     else:
+        # Not a __main__ without the guard: that fails each rank, as under
+        # spawn, and the zygote lives on (_zygote.main._failure_of).
         why = (
-            "the zygote died during the launch; what it printed on stderr says why "
-            "(a __main__ that starts processes without an `if __name__ == '__main__':` "
-            "guard is a common cause)"
+            "the zygote died during the launch; what it printed on stderr says why. The "
+            "zygote runs the code of __main__ outside `if __name__ == '__main__':`, as a "
+            "spawned worker does: code there that ends the process (os._exit(), a crash "
+            "in an extension) ends the zygote; move it under that guard"
         )
     return RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
 
