@@ -643,3 +643,15 @@ def test_a_rank_that_launches_with_fork(stacks):
         assert all(line in text for text in found.values()), found
     else:
         assert all(text.startswith("no Python stacks") for text in found.values()), found
+
+
+def test_fastspawn_stacks_refuses_a_pid_that_is_not_one():
+    done = subprocess.run(
+        [sys.executable, "-m", "fastspawn", "stacks", "abc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "PID must be a positive integer, got 'abc'" in done.stderr
+    assert "_positive" not in done.stderr

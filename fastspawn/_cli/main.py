@@ -14,7 +14,6 @@ from fastspawn._cli.options import (
     RUN_DESCRIPTION,
     RUN_EPILOG,
     UsageError,
-    _positive,
     _seconds,
     run_parser,
 )
@@ -46,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stacks.add_argument(
         "pid",
-        type=_positive,
+        type=cli_stacks.process_id,
         metavar="PID",
         help="the process whose ranks to show: a fastspawn run, or any program of this user's "
         "that started ranks with fastspawn",

@@ -9,6 +9,7 @@ a ``stacks.log`` per rank (appended to, one header per dump).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 from fastspawn import elastic
 from fastspawn._launch import stacks as _stacks
@@ -93,9 +95,12 @@ class RankLabels:
 
 
 def _append(path: str, text: str) -> None:
-    """Append ``text`` to ``path``, made 0600 if new; never through a link."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
+    """Append ``text`` to ``path``: a new file (0600), or a regular file of
+    this user's, made 0600 first; never through a link, never into a file
+    another user planted there (elastic_rank.open_private)."""
+    from fastspawn._worker import elastic_rank
+
+    fd = elastic_rank.open_private(path, append=True)
     try:
         data = text.encode("utf-8", "replace")
         while data:
@@ -116,53 +121,166 @@ def _descendants(pid: int) -> Iterator[int]:
         todo.extend(children)
 
 
-def _written(pid: int) -> int | None:
+class Reading(NamedTuple):
+    """How far a process has got, by one measure: ``"written"``, the bytes
+    it wrote less those its stack dumps wrote; ``"ran"``, the CPU time of
+    its threads (ns), where its /proc/PID/io cannot be read; ``"unseen"``,
+    where neither can."""
+
+    measure: str
+    value: int
+
+
+def _written(pid: int) -> int:
     """Bytes the process has written, by the kernel's count (wchar of
-    /proc/PID/io: write(2) and its kin, to any file, pipe or terminal);
-    None once it is gone (or where unreadable)."""
+    /proc/PID/io: write(2) and its kin, to any file, pipe or terminal).
+
+    Raises:
+        OSError: gone (FileNotFoundError, ProcessLookupError), or not to be
+            read here (PermissionError: another user's process, or one that
+            made itself non-dumpable, prctl(PR_SET_DUMPABLE, 0)).
+        ValueError: no wchar there.
+    """
+    with open(f"/proc/{pid}/io", "rb") as f:
+        for line in f:
+            if line.startswith(b"wchar:"):
+                return int(line.split()[1])
+    raise ValueError(f"no wchar in /proc/{pid}/io")
+
+
+def _ran(pid: int) -> int:
+    """The CPU time of all the process's threads, in ns (schedstat's first
+    field: readable by anyone, non-dumpable processes included).
+
+    Raises:
+        OSError: gone, or no schedstat (a kernel without CONFIG_SCHED_INFO).
+    """
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            raise
+    return total
+
+
+def _reading(pid: int, memfds: dict[int, int]) -> Reading | None:
+    """How far ``pid`` has got (see Reading); None once it is gone.
+    ``memfds``: the stack memfd's fd number by pid, kept from look to look."""
     try:
-        with open(f"/proc/{pid}/io", "rb") as f:
-            for line in f:
-                if line.startswith(b"wchar:"):
-                    return int(line.split()[1])
+        written: int | None = _written(pid)
     except (OSError, ValueError):
-        pass
-    return None
+        written = None  # not ours to read, no I/O accounting, or gone
+    if written is not None:
+        # Stack dumps write to the process's memfd, and count in wchar: a
+        # dump is not progress.  The memfd is read after wchar, so that a
+        # dump under way can only lower the difference, never raise it.
+        dumped = _stacks.dumped_bytes(pid, memfds.get(pid))
+        if dumped is None:
+            return Reading("written", written)
+        memfds[pid] = dumped[0]
+        return Reading("written", written - dumped[1])
+    try:
+        return Reading("ran", _ran(pid))
+    except (OSError, ValueError, IndexError):
+        return Reading("unseen", 0) if os.path.exists(f"/proc/{pid}") else None
+
+
+def _advanced(before: Reading | None, now: Reading | None) -> bool:
+    """Whether a process moved from one reading to the next: a higher
+    value by the same measure; a change of measure, or one that cannot
+    be seen, counts (the watch never takes it for hung)."""
+    if now is None or before is None:
+        return before is not now
+    if now.measure == "unseen" or now.measure != before.measure:
+        return True
+    return now.value > before.value
+
+
+def _highest(before: Reading | None, now: Reading | None) -> Reading | None:
+    """The reading to compare the next one with: the highest seen, so that
+    a low one taken during a dump (see _reading) is not progress later."""
+    if before is None or now is None or now.measure != before.measure:
+        return now
+    return now if now.value > before.value else before
+
+
+UNSEEN_WHY = {
+    "ran": "its /proc/PID/io cannot be read here (a process that made itself "
+    "non-dumpable, prctl(PR_SET_DUMPABLE, 0), or a kernel without I/O accounting): "
+    "the hang watch counts its CPU time instead of its writes",
+    "unseen": "neither its /proc/PID/io nor its CPU time can be read here: the hang "
+    "watch cannot see it, and never takes the job for hung",
+}
 
 
 class Progress:
     """Whether ranks move: one exited, or one (or a process it started)
-    wrote something, since the last look.
+    wrote something, since the last look; stack dumps do not count.
 
     The ranks' own counts are read at every look (one small file each);
     their descendants' only when those did not move, as a rank that runs
     its work in children (a shell script, a launcher of its own) shows
     nothing itself: walking every tree at every look would cost more than
-    the ranks' threads (one file each) are worth while they run."""
+    the ranks' threads (one file each) are worth while they run.
 
-    def __init__(self, pids: Mapping[int, int]) -> None:
+    A rank whose writes cannot be read (see UNSEEN_WHY) is told of once,
+    through ``note(local rank, why)``.
+    """
+
+    def __init__(
+        self, pids: Mapping[int, int], note: Callable[[int, str], None] | None = None
+    ) -> None:
         self.pids = dict(pids)
+        self.note = note
+        self.noted: set[int] = set()
+        self.memfds: dict[int, int] = {}
         self.own = self._own()
-        self.trees: dict[int, list[tuple[int, int | None]]] | None = self._trees()
+        self.trees: dict[int, Reading | None] | None = self._trees()
 
-    def _own(self) -> dict[int, int | None]:
-        return {rank: _written(pid) for rank, pid in self.pids.items()}
+    def _own(self) -> dict[int, Reading | None]:
+        own = {}
+        for rank, pid in self.pids.items():
+            own[rank] = reading = _reading(pid, self.memfds)
+            if reading is not None and reading.measure in UNSEEN_WHY and rank not in self.noted:
+                self.noted.add(rank)
+                if self.note is not None:
+                    self.note(rank, UNSEEN_WHY[reading.measure].replace("PID", str(pid)))
+        return own
 
-    def _trees(self) -> dict[int, list[tuple[int, int | None]]]:
+    def _trees(self) -> dict[int, Reading | None]:
         return {
-            rank: [(child, _written(child)) for child in _descendants(pid)]
-            for rank, pid in self.pids.items()
+            child: _reading(child, self.memfds)
+            for pid in self.pids.values()
+            for child in _descendants(pid)
         }
 
     def moved(self) -> bool:
         own = self._own()
-        if own != self.own:
-            self.own, self.trees = own, None  # the trees' counts: at the next quiet look
+        moved = any(_advanced(self.own.get(rank), now) for rank, now in own.items())
+        self.own = {rank: _highest(self.own.get(rank), now) for rank, now in own.items()}
+        if moved:
+            self.trees = None  # the trees' counts: at the next quiet look
             return True
         trees = self._trees()
-        moved = self.trees is not None and trees != self.trees
-        self.trees = trees
+        before = self.trees
+        if before is None:
+            self.trees = trees
+            return False
+        moved = trees.keys() != before.keys() or any(
+            _advanced(before[child], now) for child, now in trees.items()
+        )
+        self.trees = {child: _highest(before.get(child), now) for child, now in trees.items()}
         return moved
+
+
+class HangStop(Exception):
+    """A hang stopped the job (``--hang-action kill``), under torch's agent:
+    raised from the worker group's wait, so that the agent stops its
+    workers and leaves the rendezvous."""
 
 
 class RunWatch:
@@ -170,10 +288,14 @@ class RunWatch:
     serving SIGUSR1 dumps and watching for a hang.
 
     A hang: ``hang_timeout`` seconds in which no rank exited and none (nor
-    any process it started) wrote a byte, to its output or anywhere else.
-    The ranks' stacks are then shown; with ``hang_action == "kill"``, wait
-    returns None for the caller to stop the job, else the watch starts
-    over (another full quiet period before the next dump).
+    any process it started) wrote a byte, to its output or anywhere else
+    (stack dumps aside).  The ranks' stacks are then shown; with
+    ``hang_action == "kill"``, wait returns None for the caller to stop the
+    job, else the watch starts over (another full quiet period before the
+    next dump).
+
+    Under torch's agent, which waits for the workers itself, ``look`` does
+    the same at each of its looks (every --monitor-interval).
     """
 
     def __init__(
@@ -194,24 +316,32 @@ class RunWatch:
         self.look_every = 0.5 if hang_timeout is None else min(max(hang_timeout / 4, 0.1), 5.0)
         self.progress: Progress | None = None
         self.quiet_since = self.next_look = 0.0
+        if hang_timeout is not None:
+            self.progress = Progress(ctx.pids(), self._unseen)
+            self.quiet_since = time.monotonic()
+            self.next_look = self.quiet_since + self.look_every
+
+    def _unseen(self, local: int, why: str) -> None:
+        print(f"fastspawn run: {self.labels.title(local)}: {why}", file=sys.stderr, flush=True)
 
     def wait(self) -> elastic.RunProcsResult | None:
         """The attempt's result; None when a hang stopped the watch
         (``hang_action == "kill"``)."""
         if self.requests is None and self.hang_timeout is None:
             return self.ctx.wait()
-        if self.hang_timeout is not None:
-            self.progress = Progress(self.ctx.pids())
-            self.quiet_since = time.monotonic()
-            self.next_look = self.quiet_since + self.look_every
         while True:
             result = self.ctx.wait(min(0.5, self.look_every))
             if result is not None:
                 return result
-            if self.requests is not None and self.requests.take():
-                self.dump("where every rank is (SIGUSR1)")
-            if self.hung() and self.hang_action == "kill":
+            if self.look():
                 return None
+
+    def look(self) -> bool:
+        """Serve a pending SIGUSR1, look for a hang when due; True when a
+        hang is to stop the job (``hang_action == "kill"``)."""
+        if self.requests is not None and self.requests.take():
+            self.dump("where every rank is (SIGUSR1)")
+        return self.hung() and self.hang_action == "kill"
 
     def hung(self) -> bool:
         """Look for progress when due; True (once the stacks are shown)
@@ -238,6 +368,40 @@ class RunWatch:
             self.labels.show(headline, stacks)
         else:
             print(f"fastspawn run: {headline}: no rank is running", file=sys.stderr)
+
+
+def agent_watch(
+    requests: DumpRequests | None,
+    hang_timeout: float | None,
+    hang_action: str,
+    keep_files: bool,
+) -> Callable[[elastic.PContext, Mapping[int, Mapping[str, str]]], Callable[[], None]] | None:
+    """What ``fastspawn run`` under torch's agent gives it to watch each
+    worker group with (see fastspawn._torch.agent): for a group, a look
+    that serves SIGUSR1 and watches for a hang as the static path's
+    RunWatch does, and raises HangStop when a hang is to stop the job.
+    ``keep_files``: whether the log directory stays (stacks.log there).
+    None when there is nothing to watch."""
+    if requests is None and hang_timeout is None:
+        return None
+
+    def watch(ctx: elastic.PContext, envs: Mapping[int, Mapping[str, str]]) -> Callable[[], None]:
+        ranks = {local: int(env.get("RANK", local)) for local, env in envs.items()}
+        error_file = ctx.error_files.get(0, os.devnull)
+        attempt_dir = os.devnull
+        if keep_files and error_file != os.devnull:
+            attempt_dir = os.path.dirname(os.path.dirname(error_file))  # .../attempt_N/0/error.json
+        labels = RankLabels(lambda local: ranks[local], ctx.pids(), attempt_dir)
+        run_watch = RunWatch(ctx, labels, requests, hang_timeout, hang_action)
+
+        def look() -> None:
+            if run_watch.look():
+                print("fastspawn run: stopping every rank (--hang-action kill)", file=sys.stderr)
+                raise HangStop
+
+        return look
+
+    return watch
 
 
 # ------------------------------------------------------- fastspawn stacks PID
@@ -282,6 +446,22 @@ def stacks_command(pid: int, timeout: float) -> int:
     entries = [(_title(rank, rank_pid), found[(rank, rank_pid)]) for rank, rank_pid in order]
     print(_stacks.format_block(entries))
     return 0
+
+
+def process_id(text: str) -> int:
+    """``fastspawn stacks``'s PID argument: a process id, a positive number.
+
+    Raises:
+        argparse.ArgumentTypeError: it is not one (argparse says so, with
+            the text given).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"PID must be a positive integer, got {text!r}")
+    return value
 
 
 def _number(rank: str | None) -> int:

@@ -14,7 +14,10 @@ another process of the same user):
 2. finds the memfd among /proc/PID/fd by its name, and opens it through
    that path (same user: ptrace read access); its size then is where this
    dump will start;
-3. sends the signal through a pidfd (never to a recycled pid);
+3. sends the signal through a pidfd (never to a recycled pid), unless one
+   sent earlier is still pending (the rank blocks it in every thread: a
+   real-time signal queues, and each would count against the user's
+   RLIMIT_SIGPENDING): that one gives the dump when it is unblocked;
 4. waits until the dump is whole: the file grew and has stopped growing,
    the signal is no longer pending, and the main thread no longer blocks
    it (faulthandler registers without SA_NODEFER, so it does while the
@@ -170,15 +173,46 @@ def find_memfd(pid: int, hint: int | None = None) -> tuple[int, str] | None:
     return None
 
 
+def _fds_readable(pid: int) -> bool:
+    """Whether /proc/PID/fd can be listed here (False: not ours, or not
+    dumpable; True also once the process is gone)."""
+    try:
+        os.listdir(f"/proc/{pid}/fd")
+    except PermissionError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def dumped_bytes(pid: int, hint: int | None = None) -> tuple[int, int] | None:
+    """``(fd, size)``: the stack memfd of ``pid`` (its number there, a
+    ``hint`` to look at first) and how many bytes its dumps have written
+    into it, which the kernel counts among the process's writes (wchar);
+    None if it holds none, or cannot be looked at."""
+    found = find_memfd(pid, hint)
+    if found is None:
+        return None
+    try:
+        return found[0], os.stat(f"/proc/{pid}/fd/{found[0]}").st_size
+    except OSError:
+        return None
+
+
 class _Dump(Generic[K]):
     """One process's dump in progress."""
 
-    def __init__(self, target: Target[K], fd: int, memfd: int, blocked: bool) -> None:
+    def __init__(
+        self, target: Target[K], fd: int, memfd: int, blocked: bool, pending: bool
+    ) -> None:
         self.target = target
         self.fd = fd  # the memfd's number in the process
         self.memfd = memfd  # ours: opened through /proc/PID/fd/N
         self.start = os.fstat(memfd).st_size  # where this dump begins
         self.blocked_before = blocked  # the main thread blocked the signal already
+        # An earlier request's signal is still pending (every thread blocks
+        # it): this dump waits for that one, and sends none (step 3).
+        self.pending_before = pending
         self.size = self.start
         self.done = False
 
@@ -211,6 +245,11 @@ class _Dump(Generic[K]):
         if self.done:
             return text
         why = f"the dump did not complete within {timeout:g} s"
+        if self.pending_before:
+            why += (
+                f" (it has not answered an earlier request: signal {STACKS_SIGNAL} is still "
+                "pending, blocked in every thread; none more was sent)"
+            )
         state = describe(self.target.pid)
         if not text:
             return f"no Python stacks: {why} (the process is {state})"
@@ -231,6 +270,12 @@ def _prepare(target: Target[K], hint: int | None) -> _Dump[K] | str | None:
     if _state(fields) in "Tt":
         return f"no Python stacks: it is {describe(target.pid)}, so it cannot write them"
     found = find_memfd(target.pid, hint)
+    if found is None and not _fds_readable(target.pid):
+        return (
+            f"no Python stacks: its /proc/{target.pid}/fd cannot be read here (a process "
+            "that made itself non-dumpable, prctl(PR_SET_DUMPABLE, 0), as setgid programs and "
+            f"hardening libraries do); it is {describe(target.pid)}"
+        )
     if found is None:
         return (
             f"no Python stacks: it no longer holds its stack memfd (it closed the fd, "
@@ -244,7 +289,8 @@ def _prepare(target: Target[K], hint: int | None) -> _Dump[K] | str | None:
             return None
         return f"no Python stacks: its stack memfd cannot be opened here ({exc.strerror})"
     try:
-        return _Dump(target, found[0], memfd, _has(fields, "SigBlk"))
+        pending = _has(fields, "ShdPnd") or _has(fields, "SigPnd")
+        return _Dump(target, found[0], memfd, _has(fields, "SigBlk"), pending)
     except BaseException:
         os.close(memfd)
         raise
@@ -272,6 +318,11 @@ def collect(targets: Iterable[Target[K]], timeout: float) -> dict[K, str]:
                 stacks[target.key] = outcome
                 told.append(target)
         for dump in list(dumps):
+            if dump.pending_before:
+                # A real-time signal queues: each request to a rank that
+                # blocks it would take one more of the user's pending
+                # signals (RLIMIT_SIGPENDING).  The one queued answers.
+                continue
             try:
                 oscall.pidfd_send_signal(dump.target.pidfd, STACKS_SIGNAL)
             except OSError:  # exited meanwhile (ESRCH), or its pidfd was closed
@@ -383,6 +434,37 @@ def _memfd_of(pid: int) -> tuple[str, int] | None:
         return None
 
 
+def _ppid(pid: int) -> int | None:
+    fields = _status(pid)
+    try:
+        return None if fields is None else int(fields.get("PPid", ""))
+    except ValueError:
+        return None
+
+
+def _is_guard(pid: int) -> bool:
+    """Whether ``pid`` is a zygote's guard: started with the zygote's entry
+    (``python -c ... <control fd> <caller pid>``) by the caller its command
+    line names, its parent.  The zygote proper and its workers, forked from
+    it, show the same command line under another parent."""
+    cmdline = _cmdline(pid)
+    if _ZYGOTE_ENTRY not in cmdline:
+        return False
+    caller = cmdline.rstrip(b"\0").rpartition(b"\0")[2]
+    return caller.isdigit() and int(caller) == _ppid(pid)
+
+
+def _zygote_level(pid: int) -> int:
+    """``ranks_below``'s level of a root: 1 for a zygote's guard, 2 for the
+    zygote proper (the guard's child), else 0."""
+    if _is_guard(pid):
+        return 1
+    parent = _ppid(pid)
+    if parent is not None and _ZYGOTE_ENTRY in _cmdline(pid) and _is_guard(parent):
+        return 2
+    return 0
+
+
 class _Walk:
     """One process on the way down from ``ranks_below``'s root: how deep,
     its level (a zygote's guard: 1, the zygote proper: 2, else 0), and the
@@ -405,10 +487,11 @@ def ranks_below(root: int) -> list[tuple[str | None, int]]:
     below it: its children are its business), and every other child of a
     fastspawn zygote (a rank too: a binary, or started with stacks off; its
     rank None).  Other processes (the zygote, its guard, the warden, the
-    caller's other children) are walked through, never signalled."""
+    caller's other children) are walked through, never signalled.
+    ``root`` may be a zygote, or its guard, itself."""
     found: list[tuple[str | None, int]] = []
     memfd = _memfd_of(root)
-    todo = [_Walk(root, 0, 0, None if memfd is None else memfd[1])]
+    todo = [_Walk(root, 0, _zygote_level(root), None if memfd is None else memfd[1])]
     while todo:
         parent = todo.pop()
         for pid in sorted(_children.children_of(parent.pid)):

@@ -25,6 +25,7 @@ from typing import Any
 from fastspawn._launch.methods import registry
 from fastspawn.elastic import pcontext
 from fastspawn.elastic import start as elastic_start
+from fastspawn.elastic.api import RunProcsResult
 from fastspawn.elastic.pcontext import PContext
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,25 @@ _DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 _originals: dict[str, Any] = {}
 
+# What fastspawn run gives each worker group, for its SIGUSR1 dumps and its
+# hang watch: called with the group's context and environments once it
+# has started, it returns a look, called at each of the agent's looks at
+# the workers (every --monitor-interval), which may raise to stop the job.
+GroupWatch = Callable[[PContext, Mapping[int, Mapping[str, str]]], Callable[[], None]]
+
+
+class GroupOptions:
+    """How this process's agent starts its worker groups: ``stacks``, as
+    ``fastspawn.elastic.start_processes`` takes it; ``watch``, a GroupWatch
+    or None.  ``fastspawn run`` sets them (see ``route``)."""
+
+    def __init__(self, stacks: bool = True, watch: GroupWatch | None = None) -> None:
+        self.stacks = stacks
+        self.watch = watch
+
+
+_options = GroupOptions()
+
 
 def _modules() -> list[ModuleType]:
     import importlib
@@ -47,12 +67,18 @@ def _modules() -> list[ModuleType]:
     return [importlib.import_module(name) for name in _MODULES]
 
 
-def route() -> None:
+def route(options: GroupOptions | None = None) -> None:
     """Make torch's elastic agent start its workers with :func:`start_processes`.
+
+    Args:
+        options: how to start and watch each worker group (default: stacks
+            armed, no watch).
 
     Raises:
         ImportError: torch (or its ``torch.distributed``) is not installed.
     """
+    global _options
+    _options = options or GroupOptions()
     for module in _modules():
         current = getattr(module, _NAME)
         if current is not start_processes:
@@ -64,11 +90,13 @@ def unroute() -> None:
     """Give torch's agent its own ``start_processes`` back."""
     import sys
 
+    global _options
     for name, original in _originals.items():
         module = sys.modules.get(name)
         if module is not None:
             setattr(module, _NAME, original)
     _originals.clear()
+    _options = GroupOptions()
 
 
 def routed() -> bool:
@@ -86,7 +114,7 @@ def start_processes(
     numa_options: Any = None,
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
-) -> PContext:
+) -> PContext | WatchedGroup:
     """torch's ``start_processes`` (2.3 and later), served by
     ``fastspawn.elastic``.
 
@@ -97,6 +125,9 @@ def start_processes(
     termination signals torch's agent handles (``TORCHELASTIC_SIGNALS_TO_HANDLE``)
     raise torch's ``SignalException``, so the agent stops the workers as it
     would its own; a second signal while it does kills them at once.
+    What ``route`` was given (GroupOptions) says whether the workers arm
+    their stack dump and, with a watch, returns the group's context
+    wrapped (WatchedGroup) so that each of the agent's looks runs it.
     """
     if numa_options is not None or duplicate_stdout_filters or duplicate_stderr_filters:
         log.warning(
@@ -109,9 +140,39 @@ def start_processes(
         envs,
         logs_specs=logs_specs,
         log_line_prefixes=log_line_prefixes,
+        stacks=_options.stacks,
     )
     _AgentSignals(context).install()
-    return context
+    if _options.watch is None:
+        return context
+    try:
+        look = _options.watch(context, envs)
+    except BaseException:
+        context.close()
+        raise
+    return WatchedGroup(context, look)
+
+
+class WatchedGroup:
+    """A worker group's context whose ``wait`` first runs fastspawn run's
+    look (GroupWatch): torch's agent calls ``wait(0)`` at each of its looks
+    at the workers, from its main loop, where the static path's own wait
+    loop serves SIGUSR1 and watches for a hang.  Everything else is the
+    group's context's, which owns the group."""
+
+    def __init__(self, context: PContext, look: Callable[[], None]) -> None:
+        self.context = context
+        self.look = look
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.context, name)
+
+    def __repr__(self) -> str:
+        return f"<WatchedGroup of {self.context!r}>"
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        self.look()
+        return self.context.wait(timeout, period)
 
 
 class _AgentSignals:

@@ -112,10 +112,14 @@ def run(
     argv: Sequence[str],
     preload: Sequence[str],
     log_dir: str,
+    options: _agent.GroupOptions | None = None,
 ) -> tuple[int, ProcessFailure] | None:
     """Run torch's elastic agent until the job ends: None when it
     succeeded, else ``(global rank, failure)`` of the first rank to fail.
-    ``log_dir``: where torch's logs specs lay out the logs.
+    ``log_dir``: where torch's logs specs lay out the logs; ``options``:
+    how each worker group starts and is watched (agent.GroupOptions).
+    An exception the watch raises ends the job, every worker stopped by
+    the agent, and comes out of here.
 
     Raises:
         TorchMissing: torch.distributed cannot be imported.
@@ -151,7 +155,7 @@ def run(
         os.environ.setdefault(SHARE_STORE_ENV, "1")
     namespace.log_dir = log_dir
     config, _cmd, _cmd_args = torchrun.config_from_args(namespace)
-    _agent.route()
+    _agent.route(options)
     try:
         elastic_launch(config, entrypoint)(*argv)
     except ChildFailedError as exc:
