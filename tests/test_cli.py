@@ -22,6 +22,7 @@ from helpers import gone
 from fastspawn import elastic
 from fastspawn._cli import main as cli_main
 from fastspawn._cli import options, restart, topology
+from fastspawn._worker import runner
 
 ENV_NAMES = [
     "RANK",
@@ -146,6 +147,20 @@ def test_exit_code_is_first_failure(tmp_path):
     assert "failed with exit code 7" in done.stderr
 
 
+@pytest.mark.parametrize("code", [2**70, -(2**70), 2**63, 2**63 - 1, -(2**63), 2**31, 259, -1])
+def test_a_rank_exits_as_the_interpreter_does_with_the_same_code(code):
+    plain = subprocess.run([sys.executable, "-c", f"raise SystemExit({code})"], timeout=60)
+    assert runner.exit_code(SystemExit(code)) == plain.returncode
+
+
+def test_system_exit_with_a_huge_code_is_a_failure(tmp_path):
+    # Python exits 255 for a code outside a C long; 2**70 % 256 would be 0.
+    prog = script(tmp_path, "raise SystemExit(2**70)")
+    done = fastspawn_run("--nprocs-per-node", "1", prog)
+    assert done.returncode == 255, done.stderr
+    assert "failed with exit code 255" in done.stderr
+
+
 def test_exit_code_for_signal(tmp_path):
     done = fastspawn_run("--nprocs-per-node", "1", "--", "/bin/sh", "-c", "kill -SEGV $$")
     assert done.returncode == 128 + signal.SIGSEGV
@@ -179,6 +194,32 @@ def test_node_rank_out_of_range_is_a_usage_error():
     env = {"SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "3"}
     with pytest.raises(options.UsageError, match="^SLURM_NODEID 3 is not below SLURM_NNODES 2$"):
         topology.topology(args, env)
+
+
+@pytest.mark.parametrize(
+    "name, value", [("SLURM_NNODES", "abc"), ("SLURM_NNODES", "0"), ("SLURM_NODEID", "-1")]
+)
+def test_a_bad_slurm_variable_is_a_usage_error_naming_it(name, value):
+    args = argparse.Namespace(nnodes=None, node_rank=None, master_addr="a", master_port=1)
+    env = {"SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "0", name: value}
+    with pytest.raises(options.UsageError, match=f"^{name}='{value}' in the environment"):
+        topology.topology(args, env)
+    # Given on the command line, the variable is not read.
+    flag = "--nnodes" if name == "SLURM_NNODES" else "--node-rank"
+    args = argparse.Namespace(
+        nnodes=2 if flag == "--nnodes" else None,
+        node_rank=0 if flag == "--node-rank" else None,
+        master_addr="a",
+        master_port=1,
+    )
+    assert topology.topology(args, env)[:2] == (2, 0)
+
+
+def test_a_bad_slurm_variable_exits_2_without_a_traceback():
+    env = {**os.environ, "SLURM_STEP_ID": "0", "SLURM_NNODES": "abc"}
+    done = fastspawn_run("--nprocs-per-node", "1", "x", env=env)
+    assert done.returncode == 2, done.stderr
+    assert "SLURM_NNODES='abc'" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_restarts(tmp_path):

@@ -426,3 +426,53 @@ def test_eagain_names_the_limit_and_what_to_do(monkeypatch):
     assert "(from fork of rank 3); the limit on processes may be reached" in str(error)
     if soft != resource.RLIM_INFINITY:
         assert f"RLIMIT_NPROC (ulimit -u) is {soft}" in str(error) and "ulimit -u" in str(error)
+
+
+# ------------------------------------------- one exec string (MAX_ARG_STRLEN)
+
+# "FS_BIG=" and the value: one byte over what exec takes (131071 and a NUL).
+_TOO_LONG = "x" * (131072 - len("FS_BIG="))
+
+
+@pytest.mark.parametrize("where", ["envs", "caller"])
+def test_an_environment_string_exec_refuses_is_refused_before_anything_starts(where, monkeypatch):
+    origin = r"envs\[1\]" if where == "envs" else "the caller's environment"
+    envs = {1: {"FS_BIG": _TOO_LONG}} if where == "envs" else None
+    if where == "caller":
+        monkeypatch.setenv("FS_BIG", _TOO_LONG)
+    before = _processes_now()
+    message = rf"FS_BIG \(from {origin}\) is 131072 bytes .* 131071 .* \(MAX_ARG_STRLEN\)"
+    with pytest.raises(ValueError, match=message):
+        fastspawn.start_processes(workers.succeed, nprocs=2, envs=envs, start_method="spawn")
+    assert _processes_now() == before
+    # One byte less fits; the methods that do not exec take any length.
+    fits = {0: {"FS_BIG": _TOO_LONG[1:]}, 1: {"FS_BIG": _TOO_LONG[1:]}}
+    ctx = fastspawn.start_processes(workers.report_env, (["FS_BIG"],), 2, envs=fits,
+                                    start_method="spawn")  # fmt: skip
+    assert len(ctx.return_values[1]["FS_BIG"]) == len(_TOO_LONG) - 1
+    for method in ("zygote", "fork"):
+        ctx = fastspawn.start_processes(
+            workers.report_env, (["FS_BIG"],), 2, envs=envs, start_method=method
+        )
+        assert ctx.return_values[1]["FS_BIG"] == _TOO_LONG
+
+
+def test_a_caller_variable_every_rank_replaces_is_not_passed_so_not_refused(monkeypatch):
+    monkeypatch.setenv("FS_BIG", _TOO_LONG)
+    envs = {0: {"FS_BIG": "small"}}
+    ctx = fastspawn.start_processes(workers.report_env, (["FS_BIG"],), 1, envs=envs,
+                                    start_method="spawn")  # fmt: skip
+    assert ctx.return_values[0] == {"FS_BIG": "small"}
+
+
+def test_an_elastic_binary_rank_with_an_environment_string_exec_refuses(tmp_path):
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir(mode=0o700)
+    before = _processes_now()
+    with pytest.raises(ValueError, match=r"FS_BIG \(from envs\[0\]\) is 131072 bytes"):
+        elastic.start_processes(
+            "x", "/bin/true", {0: ()}, {0: {"FS_BIG": _TOO_LONG}}, str(log_dir),
+            tee=elastic.Std.ALL,
+        )  # fmt: skip
+    assert list(log_dir.iterdir()) == []
+    assert _processes_now() == before

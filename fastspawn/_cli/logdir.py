@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 from fastspawn import elastic
+from fastspawn.elastic import logs as elastic_logs
 
 
 def _missing_ancestor(path: str) -> str | None:
@@ -70,17 +71,41 @@ class LogDir:
     path: str
     created: str | None  # the directory this run made to hold path (itself included)
     given: str | None  # --log-dir as given; None for a temporary directory
+    # (st_dev, st_ino) of the directory checked at the start: each attempt
+    # makes its directory in that one, or in none.
+    identity: tuple[int, int] | None = None
 
     def make_attempt_dir(self, attempt: int) -> str:
-        """Make ``attempt_N/``.  Raises LogDirError, after removing what this
-        run created, when it cannot."""
-        attempt_dir = os.path.join(self.path, f"attempt_{attempt}")
+        """Make ``attempt_N/`` (0700) in the directory checked at the start,
+        through a descriptor of it, once it is checked again.  Raises
+        LogDirError, after removing what this run created, when it cannot."""
+        name = f"attempt_{attempt}"
         try:
-            os.mkdir(attempt_dir, 0o700)
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._check_again(fd)
+                os.mkdir(name, 0o700, dir_fd=fd)
+            finally:
+                os.close(fd)
+        except LogDirError:
+            raise
         except OSError as exc:  # an empty directory we may not write to
             remove_created(None, self.path, self.created)
             raise _log_dir_error(self.given or self.path, exc) from exc
-        return attempt_dir
+        return os.path.join(self.path, name)
+
+    def _check_again(self, fd: int) -> None:
+        st = os.fstat(fd)
+        what = self.given or self.path
+        if self.identity is not None and (st.st_dev, st.st_ino) != self.identity:
+            raise LogDirError(
+                f"fastspawn run: --log-dir {what} is no longer the directory the run "
+                "started with (someone moved it, and put another in its place): "
+                "stopping rather than write the logs there"
+            )
+        problem = elastic_logs.log_dir_problem(st)
+        if problem is not None:
+            raise _not_private(what, problem)
 
 
 def open_log_dir(args: argparse.Namespace) -> LogDir | None:
@@ -90,7 +115,8 @@ def open_log_dir(args: argparse.Namespace) -> LogDir | None:
     (their lines go to a file); None when none gives the logs a directory.
 
     Raises:
-        LogDirError: the directory cannot be made, or is not empty.
+        LogDirError: the directory cannot be made, is not empty, or is not
+            private: another user's, or one others may write in.
     """
     log_dir = args.log_dir
     wants_files = (
@@ -105,7 +131,8 @@ def open_log_dir(args: argparse.Namespace) -> LogDir | None:
         created = _make_empty_log_dir(log_dir)
     else:
         return None
-    return LogDir(os.path.abspath(log_dir), created, args.log_dir)
+    st = os.stat(log_dir)
+    return LogDir(os.path.abspath(log_dir), created, args.log_dir, (st.st_dev, st.st_ino))
 
 
 def make_temporary_log_dir() -> str:
@@ -136,4 +163,37 @@ def _make_empty_log_dir(log_dir: str) -> str | None:
             f"fastspawn run: --log-dir {log_dir} is not empty; give a new or empty "
             "directory (each run writes attempt_N/ there)"
         )
+    problem = elastic_logs.log_dir_problem(os.stat(log_dir))
+    if problem is not None:
+        if created is not None:
+            remove_created(None, log_dir, created)
+        raise _not_private(log_dir, problem)
     return created
+
+
+def check_agent_log_dir(log_dir: str) -> None:
+    """--log-dir for torch's agent (which makes it when missing, and a
+    private run directory in it): refused, as for the static rendezvous,
+    when it exists and is another user's or others may write in it.
+
+    Raises:
+        LogDirError: saying whose it is, its mode, and what to do.
+    """
+    try:
+        st = os.stat(log_dir)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _log_dir_error(log_dir, exc) from exc
+    problem = elastic_logs.log_dir_problem(st)
+    if problem is not None:
+        raise _not_private(log_dir, problem)
+
+
+def _not_private(log_dir: str, problem: str) -> LogDirError:
+    return LogDirError(
+        f"fastspawn run: cannot use --log-dir {log_dir}: {problem}; another user could "
+        "read or replace the ranks' logs, error files and stack dumps there. Give a "
+        "directory of your own that only you can write in (mkdir -m 700 DIR, or "
+        "chmod go-w DIR), or leave --log-dir out for a new private one"
+    )

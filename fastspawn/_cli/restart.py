@@ -21,6 +21,7 @@ from fastspawn._cli import topology
 from fastspawn._cli.logdir import (
     LogDir,
     LogDirError,
+    check_agent_log_dir,
     make_temporary_log_dir,
     open_log_dir,
     remove_created,
@@ -173,21 +174,23 @@ def _dynamic_rendezvous(args: argparse.Namespace) -> str:
 
 
 @contextlib.contextmanager
-def _agent_log_dir(args: argparse.Namespace) -> Iterator[str]:
-    """Where torch's agent puts its logs: --log-dir; else a new private
-    temporary directory, named on stderr and kept when --redirects or --tee
-    asks for log files, removed at the end otherwise (it holds the ranks'
-    error files only, read by then; torchrun would leave one behind per
-    run)."""
+def _agent_log_dir(args: argparse.Namespace) -> Iterator[tuple[str, bool]]:
+    """Where torch's agent puts its logs, and whether they stay: --log-dir;
+    else a new private temporary directory, named on stderr and kept when
+    --redirects or --tee asks for log files, removed at the end otherwise
+    (it holds the ranks' error files only, read by then; torchrun would
+    leave one behind per run)."""
     if args.log_dir is not None:
-        yield args.log_dir
+        # Torch's own DefaultLogsSpecs takes it as it is: checked here.
+        check_agent_log_dir(args.log_dir)
+        yield args.log_dir, True
         return
     temporary = make_temporary_log_dir()
     keep = args.redirects != elastic.Std.NONE or args.tee != elastic.Std.NONE
     if keep:
         print(f"fastspawn run: logs in {temporary}", file=sys.stderr)
     try:
-        yield temporary
+        yield temporary, keep
     finally:
         if not keep:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -196,15 +199,30 @@ def _agent_log_dir(args: argparse.Namespace) -> Iterator[str]:
 def run_with_agent(args: argparse.Namespace, program: Program) -> int:
     """A dynamic rendezvous: torch's elastic agent runs the job, fastspawn
     starts its workers (fastspawn._torch.torchrun); the launcher's exit status."""
+    from fastspawn._torch import agent as _agent
     from fastspawn._torch import torchrun as _torchrun
 
     nprocs = resolve_nprocs(args.nproc_per_node)
+    # SIGUSR1 and --hang-timeout as on the static path, at each of the
+    # agent's looks at its workers (see cli_stacks.agent_watch).
+    requests = cli_stacks.DumpRequests() if args.stacks else None
+    if requests is not None:
+        requests.install()
     try:
         check_program(program)
-        with _agent_log_dir(args) as log_dir:
+        with _agent_log_dir(args) as (log_dir, kept):
+            watch = cli_stacks.agent_watch(requests, args.hang_timeout, args.hang_action, kept)
             outcome = _torchrun.run(
-                args, nprocs, program.entrypoint, program.argv, program.preload, log_dir
+                args,
+                nprocs,
+                program.entrypoint,
+                program.argv,
+                program.preload,
+                log_dir,
+                _agent.GroupOptions(stacks=args.stacks, watch=watch),
             )
+    except cli_stacks.HangStop:
+        return cli_stacks.HANG_EXIT  # the agent stopped every rank
     except _torchrun.TorchMissing as exc:
         option = _dynamic_rendezvous(args)
         print(
@@ -222,6 +240,9 @@ def run_with_agent(args: argparse.Namespace, program: Program) -> int:
         return 128 + int(exc.sigval)
     except OSError as exc:
         return _cannot_start(program.name, exc)
+    finally:
+        if requests is not None:
+            requests.uninstall()
     if outcome is None:
         return 0
     global_rank, failure = outcome

@@ -63,7 +63,8 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
     --rdzv-endpoint HOST:PORT, as torchrun reads it), then Slurm.
 
     Raises:
-        UsageError: the node rank is not below the number of nodes.
+        UsageError: the node rank is not below the number of nodes, or
+            SLURM_NNODES / SLURM_NODEID is not a number (or below 1 / 0).
     """
     nnodes = None if args.nnodes is None else parse_nnodes(str(args.nnodes))[0]
     node_rank = args.node_rank
@@ -74,9 +75,9 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
     # SLURM_STEPID is the older spelling, still set beside the newer one.
     slurm = "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ
     if nnodes is None:
-        nnodes = int(environ.get("SLURM_NNODES", "1")) if slurm else 1
+        nnodes = _slurm_count(environ, "SLURM_NNODES", 1) if slurm else 1
     if node_rank is None:
-        node_rank = int(environ.get("SLURM_NODEID", "0")) if slurm else 0
+        node_rank = _slurm_count(environ, "SLURM_NODEID", 0) if slurm else 0
     if addr is None:
         addr = "127.0.0.1"
         # SLURM_NNODES and SLURM_NODEID are the step's, so node 0 is the
@@ -98,6 +99,29 @@ def topology(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[int,
     if port is None:
         port = free_port() if nnodes == 1 else 29500
     return nnodes, node_rank, addr, port
+
+
+def _slurm_count(environ: Mapping[str, str], name: str, least: int) -> int:
+    """Slurm's ``name`` (SLURM_NNODES, SLURM_NODEID) as a number, at least
+    ``least`` (``least`` itself when unset).
+
+    Raises:
+        UsageError: it is set to anything else, naming it and its value.
+    """
+    text = environ.get(name)
+    if text is None:
+        return least
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise UsageError(
+            f"{name}={text!r} in the environment is not a whole number of at least "
+            f"{least}; fix or unset it, or give "
+            f"{'--nnodes' if name == 'SLURM_NNODES' else '--node-rank'}"
+        )
+    return value
 
 
 def _static_endpoint(args: argparse.Namespace) -> tuple[str | None, int | None]:

@@ -214,8 +214,9 @@ LAUNCH_FDS = 16
 
 
 class LimitError(ValueError):
-    """A launch that the limits on processes or open files cannot let start;
-    the message names the limit, its value and what to do."""
+    """A launch that the limits cannot let start: on processes, on open
+    files, or on the size of one string exec passes (an environment
+    variable); the message names the limit, its value and what to do."""
 
 
 def check_nprocs(

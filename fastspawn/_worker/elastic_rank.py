@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -25,10 +26,12 @@ def write_error_file(exc: BaseException) -> None:
     says (nowhere when it is unset or empty).  The file is created 0600.
 
     A symbolic link there is never followed (one planted in the log
-    directory would have the rank overwrite whatever it points to): the
-    file is then not written, and a line on stderr names it.  Nor is any
-    other failure to write it raised: the rank's own exception is what
-    must reach the launcher, and does, with its exit code.
+    directory would have the rank overwrite whatever it points to), nor is
+    a file another user owns written into (one planted there, world
+    writable, for the rank to fill with its traceback): the file is then
+    not written, and a line on stderr names it.  Nor is any other failure
+    to write it raised: the rank's own exception is what must reach the
+    launcher, and does, with its exit code.
     """
     path = os.environ.get(ERROR_FILE_ENV, "")
     if not path:
@@ -43,9 +46,41 @@ def write_error_file(exc: BaseException) -> None:
         print(f"fastspawn: cannot write the error file {path}: {why}", file=sys.stderr)
 
 
+def open_private(path: str, append: bool = False) -> int:
+    """``path`` opened for writing, readable by this user alone: a new file
+    0600, or one that exists already (a LogsSpecs may name the same error
+    file for every attempt, and torch overwrites it too) if it is a regular
+    file of this user's, its mode made 0600; emptied, or with ``append``
+    written at its end (a rank's stacks.log).  Never through a symbolic
+    link (ELOOP).
+
+    Raises:
+        PermissionError: the file is another user's, or not a regular file.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(errno.EPERM, "it is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise PermissionError(
+                errno.EPERM,
+                f"it belongs to uid {st.st_uid}, not to this process's user (someone "
+                "may have put it there to read what is written into it)",
+            )
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+        if not append:
+            os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _write_error_json(path: str, exc: BaseException) -> None:
-    # No O_EXCL: a LogsSpecs may name the same error file for every attempt,
-    # and torch overwrites it too.  O_NOFOLLOW: never through a link.
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -55,9 +90,7 @@ def _write_error_json(path: str, exc: BaseException) -> None:
             },
         }
     }
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
-    with open(fd, "w") as f:
+    with open(open_private(path), "w") as f:
         json.dump(data, f)
 
 

@@ -33,13 +33,22 @@ def print_exc() -> None:
     traceback.print_exc()
 
 
+# What CPython reads an int exit code into (PyLong_AsLong, a C long): one
+# that does not fit makes it -1, exit status 255.
+_LONG_MIN, _LONG_MAX = -(2**63), 2**63 - 1
+
+
 def exit_code(exc: SystemExit) -> int:
-    """The exit status ``sys.exit(code)`` gives a process: an int modulo 256
-    (``sys.exit(-1)`` exits 255), None 0, anything else printed and 1."""
+    """The exit status ``sys.exit(code)`` gives a process, as the interpreter
+    gives it: an int modulo 256 (``sys.exit(-1)`` exits 255), 255 for one
+    outside a C long (``sys.exit(2**70)``: never 0, a success), None 0,
+    anything else printed and 1."""
     code = exc.code
     if code is None:
         return 0
     if isinstance(code, int):
+        if not _LONG_MIN <= code <= _LONG_MAX:
+            return 255
         return code & 0xFF
     print(code, file=sys.stderr)
     return 1

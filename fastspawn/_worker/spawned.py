@@ -18,7 +18,48 @@ from fastspawn._worker.stdio import line_buffer_stdout, quiet_stdin, whole_lines
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any, NoReturn
+
+
+# Linux's limit on one string exec passes (MAX_ARG_STRLEN, 32 pages), its
+# terminating NUL included: a longer ``NAME=value`` fails the exec (E2BIG).
+MAX_ARG_STRLEN = 131072
+
+
+def check_exec_env(envs: Mapping[int, Mapping[str, str]], nprocs: int, why: str) -> None:
+    """Refuse the environments exec would refuse: each ``NAME=value``
+    string a rank gets (the caller's environment updated with its
+    ``envs[rank]``), encoded as the kernel gets it, must fit
+    MAX_ARG_STRLEN.  ``why`` says what execs and what to do instead.
+
+    Raises:
+        LimitError: (a ValueError) naming the first variable too long,
+            where it comes from, its size and the limit.
+    """
+    # Here, not at the top: a spawned worker, which imports this module,
+    # never checks.
+    from fastspawn._os.limits import LimitError
+
+    def check(name: str, value: str, origin: str) -> None:
+        size = len(os.fsencode(name)) + 1 + len(os.fsencode(value)) + 1
+        if size > MAX_ARG_STRLEN:
+            raise LimitError(
+                f"the environment variable {name} (from {origin}) is {size - 1} bytes as "
+                f"NAME=value, over the {MAX_ARG_STRLEN - 1} bytes Linux lets exec pass in "
+                f"one string (MAX_ARG_STRLEN): {why}"
+            )
+
+    for rank in range(nprocs):
+        for name, value in envs.get(rank, {}).items():
+            check(name, value, f"envs[{rank}]")
+    for name, value in os.environ.items():
+        try:
+            check(name, value, "the caller's environment")
+        except ValueError:
+            # Passed only to the ranks whose envs do not replace it.
+            if any(name not in envs.get(rank, {}) for rank in range(nprocs)):
+                raise
 
 
 def entry_code(call: str, first: str = "") -> str:

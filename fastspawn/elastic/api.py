@@ -139,7 +139,13 @@ class ProcessFailure:
 
     def _read_error_file(self) -> None:
         # O_NOFOLLOW: a link put there since the check above is not followed.
-        with open(os.open(self.error_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as f:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        with open(os.open(self.error_file, flags)) as f:
+            owner = os.fstat(f.fileno()).st_uid
+            if owner != os.geteuid():
+                # Not the rank's (it writes only a file of its own): what
+                # another user put there says nothing of the rank.
+                raise ValueError(f"it belongs to uid {owner}, not to the run's user")
             data = json.load(f)
         message = data["message"]
         if isinstance(message, str):

@@ -8,7 +8,9 @@ import abc
 import errno
 import logging
 import os
+import pwd
 import shutil
+import stat
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +56,60 @@ def open_log(path: str) -> int:
             "give each rank and each attempt a path of its own)",
             path,
         ) from None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def log_dir_problem(st: os.stat_result) -> str | None:
+    """Why a directory with status ``st`` cannot hold a run's logs, or None:
+    it must be the caller's own and writable by no one else.  Another user
+    who owns it, or may write in it, can swap the directories the run
+    makes there for a tree of their own, and read what the ranks write
+    (error files with tracebacks, stack dumps), or rename the logs away."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        return (
+            f"it belongs to {_user(st.st_uid)}, not to you ({_user(os.geteuid())}), mode {mode:04o}"
+        )
+    if mode & 0o022:
+        who = (
+            "its group and others"
+            if mode & 0o022 == 0o022
+            else ("its group" if mode & 0o020 else "others")
+        )
+        return f"{who} may write in it (mode {mode:04o})"
+    return None
+
+
+class LogDirNotPrivate(PermissionError):
+    """A log directory another user owns or may write in: the message names
+    it, its owner and mode, and what to do."""
+
+
+def check_log_dir(path: str, fd: int | None = None) -> None:
+    """Refuse ``path`` (or the directory open as ``fd``) as a log directory
+    unless it is the caller's and no one else may write in it.  Its
+    parents are not checked: a sticky world-writable one (``/tmp``) lets
+    no one else move it.
+
+    Raises:
+        LogDirNotPrivate: saying whose it is, its mode, and what to do.
+    """
+    st = os.stat(path) if fd is None else os.fstat(fd)
+    problem = log_dir_problem(st)
+    if problem is not None:
+        raise LogDirNotPrivate(
+            errno.EACCES,
+            f"log directory not private: {problem}; another user could read or replace "
+            "the run's logs and error files there. Give a directory of your own that "
+            "only you can write in (mkdir -m 700 DIR, or chmod go-w DIR)",
+            path,
+        )
 
 
 @dataclass
@@ -131,6 +187,8 @@ class DefaultLogsSpecs(LogsSpecs):
 
     Raises:
         NotADirectoryError: ``log_dir`` is a file.
+        PermissionError: ``log_dir`` is another user's, or others may
+            write in it (the message names its owner and mode).
     """
 
     def __init__(
@@ -145,6 +203,7 @@ class DefaultLogsSpecs(LogsSpecs):
             if os.path.isfile(log_dir):
                 raise NotADirectoryError(f"log_dir: {log_dir} is a file, not a directory")
             os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            check_log_dir(log_dir)
         super().__init__(log_dir, redirects, tee, local_ranks_filter)
         self._run_log_dir: str | None = None
 
@@ -167,6 +226,7 @@ class DefaultLogsSpecs(LogsSpecs):
         if self._run_log_dir is None:
             if self._root_log_dir is None:
                 self._root_log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+            check_log_dir(self._root_log_dir)  # still: it may have changed since
             run_id = first.get("TORCHELASTIC_RUN_ID", "test_run_id")
             self._run_log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=self._root_log_dir)
             log.info("log directory set to: %s", self._run_log_dir)
@@ -263,8 +323,12 @@ def checked_log_args(
                 "redirects and tee are part of logs_specs: give them to the LogsSpecs "
                 "(DefaultLogsSpecs(log_dir, redirects=..., tee=...)), not to start_processes"
             )
-    if directory is not None and directory != os.devnull and os.listdir(directory):
-        raise RuntimeError(f"log_dir: {directory} is not empty, please provide an empty log_dir")
+    if directory is not None and directory != os.devnull:
+        if os.listdir(directory):
+            raise RuntimeError(
+                f"log_dir: {directory} is not empty, please provide an empty log_dir"
+            )
+        check_log_dir(directory)
     return directory, logs_specs
 
 

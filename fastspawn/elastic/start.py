@@ -12,6 +12,7 @@ from typing import Any
 from fastspawn._launch.methods import registry
 from fastspawn._os import limits as _limits
 from fastspawn._os import numa as _numa
+from fastspawn._worker import spawned
 from fastspawn._worker.elastic_rank import ERROR_FILE_ENV
 from fastspawn.elastic import logs, pcontext
 from fastspawn.elastic.api import Std
@@ -60,10 +61,11 @@ def start_processes(
             or name (``args[rank]`` converted with ``str()``).
         args: per rank, the entrypoint's arguments, keyed exactly ``0..n-1``.
         envs: per rank, the variables set in it, keyed exactly ``0..n-1``.
-        log_dir: an existing, empty directory (or ``os.devnull`` for no
-            files); each rank gets ``{rank}/stdout.log`` and ``stderr.log``
-            there for the streams redirected or tee'd, and ``error.json``
-            if a function rank fails, created 0600.
+        log_dir: an existing, empty directory of the caller's own that
+            no one else may write in (or ``os.devnull`` for no files);
+            each rank gets ``{rank}/stdout.log`` and ``stderr.log`` there
+            for the streams redirected or tee'd, and ``error.json`` if a
+            function rank fails, created 0600.
         start_method: for function ranks (``None``, as in torch: the
             method multiprocessing uses by default); binaries always start
             from the zygote, which adopts and kills what their children
@@ -105,6 +107,9 @@ def start_processes(
             ``log_dir`` is not empty.
         NotADirectoryError, FileNotFoundError: ``log_dir`` is a file or
             missing.
+        PermissionError: ``log_dir`` is another user's, or others may
+            write in it: they could read or replace what the ranks write
+            there (the message names its owner and mode).
         ValueError: a ``LogsDest`` tees a rank's stream from a file other
             than the one the stream is written to.
         FileExistsError: a log file the ``LogsDest`` names exists already.
@@ -112,8 +117,10 @@ def start_processes(
         ValueError: an unknown ``start_method`` (the message lists the valid
             ones), more ranks than the limits on processes or open files
             allow, each rank's pipes and log files counted (the message
-            names the limit and the value that fits), or filters given where the
-            ``LogsDest`` names no filtered file.
+            names the limit and the value that fits), a variable of a binary
+            rank's environment (``envs`` over the caller's) longer than exec
+            takes (128 KiB as ``NAME=value``: named), or filters given where
+            the ``LogsDest`` names no filtered file.
         TypeError: a filter list that is a string, or holds a non-string.
         RuntimeError: ``numa_options`` cannot apply here (see above).
     """
@@ -137,6 +144,12 @@ def start_processes(
     if isinstance(entrypoint, str):
         # Before any file is created: a missing binary leaves nothing behind.
         binary_path = pcontext.resolve_binary(entrypoint, rank0_env)
+        spawned.check_exec_env(
+            rank_envs,
+            nprocs,
+            f"each rank execs {entrypoint} with its environment; shorten it or pass the "
+            "data another way (a file, an argument)",
+        )
     numa = None
     if numa_options is not None:
         numa = _numa.binding(numa_options, nprocs, binary_path, rank0_env)

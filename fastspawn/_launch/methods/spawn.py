@@ -32,6 +32,13 @@ class Spawn(common.ChildrenOfCaller):
     def check(self, request: LaunchRequest) -> None:
         super().check(request)
         common.current_dir()  # its workers start there: a clear error if it is gone
+        spawned.check_exec_env(
+            request.envs,
+            request.nprocs,
+            "start_method='spawn' execs each worker with its environment; shorten it or "
+            "pass the data another way (a file, an argument to fn), or use "
+            "start_method='zygote' or 'fork', which do not exec",
+        )
 
     def launch(self, req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started) -> None:
         on_launcher_thread(_spawn_ranks, req, tx, started)
