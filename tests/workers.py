@@ -804,3 +804,14 @@ def signal_state(rank: int) -> dict[str, Any]:
         "blocked": sorted(sig.name for sig in signal.pthread_sigmask(signal.SIG_BLOCK, ())),
         "wakeup_fd": wakeup,
     }
+
+
+def square(rank: int) -> int:
+    return rank * rank
+
+
+def square_or_raise(rank: int, bad_rank: int, message: str) -> int:
+    """rank * rank, but rank ``bad_rank`` raises ValueError(message)."""
+    if rank == bad_rank:
+        raise ValueError(message)
+    return rank * rank

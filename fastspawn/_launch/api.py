@@ -180,17 +180,22 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
             pass
         return context
     except BaseException as exc:
-        if context is None:
-            # Interrupted as the launch ended, or out of fds for the epoll
-            # set: the workers run, and nothing would watch them.
-            base.kill_started(started, reap=request.method.caller_reaps)
-            helpers.forget_groups(request.watched_groups)
-            if receiver is not None:
-                receiver.close()
-        elif not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
-            # Ctrl-C or another error in the caller: leave nothing running.
-            context._failed = True
-            context._end(signal.SIGKILL)
+        # Whatever else comes meanwhile (Ctrl-C again and again) waits for
+        # the workers to be killed and reaped: they are SIGKILLed first.
+        with oscall.held_signals():
+            if tx is not None:
+                tx.close()  # again, if a Ctrl-C came before the finally's
+            if context is None:
+                # Interrupted as the launch ended, or out of fds for the
+                # epoll set: the workers run, and nothing would watch them.
+                base.kill_started(started, reap=request.method.caller_reaps)
+                helpers.forget_groups(request.watched_groups)
+                if receiver is not None:
+                    receiver.close()
+            elif not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
+                # Ctrl-C or another error in the caller: leave nothing running.
+                context._failed = True
+                context._end(signal.SIGKILL)
         raise
 
 
@@ -241,7 +246,10 @@ def start_processes(
         TypeError, ValueError: bad arguments, before any process starts;
             ValueError too for more ranks than the caller's limits on
             processes or open files, or the machine's on pids, allow (the
-            message names the limit).
+            message names the limit), and, with ``start_method="spawn"``
+            (which execs each worker), for a variable of a worker's
+            environment (``envs`` over the caller's) longer than exec takes:
+            128 KiB as ``NAME=value`` (the message names it).
         BlockingIOError: the ranks fit those limits but not beside what
             this user runs already (EAGAIN from fork); nothing is left
             running.

@@ -117,6 +117,7 @@ class ProcessContext:
             proc.on_close = weakref.WeakMethod(self._forget)
         self._open_pidfds = len(processes)  # closed by _forget, one by one
         self._join_lock = threading.Lock()
+        self._join_owner: int | None = None  # the thread that holds it
         self._failed = False
         # After a failure: the other ranks that ended badly (stopped by the
         # signal, say), by rank, each raised by one more join() as torch does.
@@ -147,23 +148,30 @@ class ProcessContext:
             ``{rank: text}`` in rank order, for the ranks running now.  A
             rank that cannot answer (a binary, started with ``stacks=False``,
             stopped, or past ``timeout``) gets a line saying why and what the
-            kernel says of it (its state, where it waits).
+            kernel says of it (its state, where it waits).  A Ctrl-C
+            meanwhile is raised once the answers are in (``timeout`` at
+            most): a file opened for them is never left open.
         """
         return self._take_stacks(self.processes, timeout)
 
     def _take_stacks(self, procs: Sequence[Process], timeout: float) -> dict[int, str]:
         """dump_stacks for ``procs``, through copies of their pidfds: another
-        thread may reap them and close theirs meanwhile (see pidfd_lock)."""
+        thread may reap them and close theirs meanwhile (see pidfd_lock).
+        Signals held throughout (``timeout`` bounds it): the copies and the
+        ranks' stack files are opened and closed here, and a Ctrl-C between
+        an open and its record would leave one open."""
         targets = []
-        try:
-            with pidfd_lock:
-                for proc in procs:
-                    if proc._exitcode is None and proc._pidfd >= 0:
-                        targets.append(_stacks.Target(proc.rank, proc.pid, os.dup(proc._pidfd)))
-            found = _stacks.collect(targets, timeout)
-        finally:
-            for target in targets:
-                os.close(target.pidfd)
+        with oscall.held_signals():
+            try:
+                with pidfd_lock:
+                    for proc in procs:
+                        if proc._exitcode is None and proc._pidfd >= 0:
+                            pidfd = os.dup(proc._pidfd)
+                            targets.append(_stacks.Target(proc.rank, proc.pid, pidfd))
+                found = _stacks.collect(targets, timeout)
+            finally:
+                for target in targets:
+                    os.close(target.pidfd)
         return {rank: found[rank] for rank in sorted(found)}
 
     def _forget(self, proc: Process) -> None:
@@ -212,39 +220,85 @@ class ProcessContext:
         # waiter and the channel under each other.  The wait for the lock
         # counts against the timeout.
         started = time.monotonic()
-        wait = -1 if timeout is None else min(max(0.0, timeout), threading.TIMEOUT_MAX)
-        if not self._join_lock.acquire(timeout=wait):
-            return False
+        me = threading.get_ident()
         try:
+            if not self._lock_for_join(timeout):
+                return False
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
             return self._join(left, grace_period)
         finally:
-            if not self._pending:
-                # In a notebook: the ranks' last lines show before whatever
-                # the caller prints next (a no-op elsewhere).
-                kernel_output.catch_up()
-            self._join_lock.release()
+            # Whatever cut the above short, even as the lock was taken.
+            if self._join_owner == me:
+                if not self._pending:
+                    # In a notebook: the ranks' last lines show before
+                    # whatever the caller prints next (a no-op elsewhere).
+                    kernel_output.catch_up()
+                with oscall.held_signals():
+                    self._join_owner = None
+                    self._join_lock.release()
 
-    def _join(self, timeout: float | None, grace_period: float | None) -> bool:
-        if self._unreported:
-            raise self._exception(self._unreported.pop(0))
-        if not self._pending:
-            self._finish()
+    def _lock_for_join(self, timeout: float | None) -> bool:
+        """Take the join lock within ``timeout``; False if another join
+        holds it that long.  Taken and its owner recorded as one step (a
+        Ctrl-C raised as acquire() returns would leave it taken for ever,
+        by no one), so the wait goes in slices, each with signals held.
+        Already this thread's: a join of its own was cut short before it
+        let go (join() is not reentrant), and this one carries on."""
+        if self._join_owner == threading.get_ident():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            left = 0.05 if deadline is None else min(0.05, max(0.0, deadline - time.monotonic()))
+            with oscall.held_signals():
+                if self._join_lock.acquire(timeout=left):
+                    self._join_owner = threading.get_ident()
+                    return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def _join(self, timeout: float | None, grace_period: float | None) -> bool:
+        if self._unreported:
+            self._raise_unreported()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        exited: list[Process] = []
+        while self._pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             exited = self._collect(left)
             if exited or (deadline is not None and time.monotonic() >= deadline):
                 break
+        failed = self._failure(exited)
+        if failed is not None:
+            self._fail(failed.rank, grace_period)
+        if self._pending:
+            return False
+        self._finish()
+        return True
+
+    def _raise_unreported(self) -> NoReturn:
+        """Raise for the next rank of ``_unreported``, which it leaves.  A
+        Ctrl-C held meanwhile is raised as the block ends, the failure
+        chained to it (its __context__): never popped and lost unseen."""
+        with oscall.held_signals():
+            raise self._exception(self._unreported.pop(0))
+
+    def _failure(self, exited: list[Process]) -> Process | None:
+        """The rank whose failure this join raises: the first of ``exited``
+        that ended badly; else, before any failure was raised, any rank no
+        longer pending that did (one a Ctrl-C cut off between its exit being
+        seen and judged, in an earlier join).  None if none did."""
+        if self._failed:
+            return None
         errors = self._receiver.reports.errors
-        failed = next((p for p in exited if p.rank in errors or p.exitcode != 0), None)
-        if failed is None:
-            if self._pending:
-                return False
-            self._finish()
-            return True
-        self._fail(failed.rank, grace_period)
+
+        def bad(proc: Process) -> bool:
+            return proc.rank in errors or (proc._exitcode is not None and proc._exitcode != 0)
+
+        found = next((p for p in exited if bad(p)), None)
+        if found is None:
+            found = next(
+                (p for p in self.processes if p.rank not in self._pending and bad(p)), None
+            )
+        return found
 
     def _fail(self, rank: int, grace_period: float | None) -> NoReturn:
         """Rank ``rank`` ended badly: stop the others, then raise for it.
@@ -255,8 +309,9 @@ class ProcessContext:
         reaps them too and propagates, leaving the failure for the next
         join to raise.
         """
-        self._failed = True
-        self._unreported = [rank]  # until raised below
+        with oscall.held_signals():  # failed and to be raised: one step
+            self._failed = True
+            self._unreported = [rank]  # until raised below
         try:
             self._stop_all(grace_period, self.processes[rank])
         except Exception:
@@ -270,8 +325,9 @@ class ProcessContext:
             self._kill_all(rank)
             self._unreported = [rank, *self._failed_besides(rank)]
             raise
-        self._unreported = self._failed_besides(rank)
-        raise self._exception(rank)
+        with oscall.held_signals():
+            self._unreported = [rank, *self._failed_besides(rank)]
+        self._raise_unreported()
 
     def _kill_all(self, rank: int) -> None:
         """A teardown's last resort: SIGKILL every worker still running,
@@ -300,7 +356,9 @@ class ProcessContext:
         assert self._waiter is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._reaped_elsewhere:
-            ready, self._reaped_elsewhere = self._reaped_elsewhere, []
+            # Each leaves the list once seen below: their pidfds are closed,
+            # and one dropped unseen would be waited for for ever.
+            ready = list(self._reaped_elsewhere)
         else:
             try:
                 ready = self._waiter.wait(timeout)
@@ -313,14 +371,24 @@ class ProcessContext:
                 continue
             proc = self._pending.get(token)
             if proc is None:
+                self._seen_elsewhere(token)
                 continue
             raised = self._raised(proc)
             if not raised:
-                proc._poll(deadline)
+                proc._poll(deadline)  # may wait for a zygote's word: signals not held
             if raised or proc._exitcode is not None:
-                del self._pending[token]
-                exited.append(proc)
+                # Cut short before this, the pidfd still polls readable (or
+                # the rank is in _reaped_elsewhere): the next join sees it
+                # again.  After it, _failure() finds it.
+                with oscall.held_signals():
+                    del self._pending[token]
+                    exited.append(proc)
+                    self._seen_elsewhere(token)
         return exited
+
+    def _seen_elsewhere(self, rank: int) -> None:
+        if rank in self._reaped_elsewhere:
+            self._reaped_elsewhere.remove(rank)
 
     def _raised(self, proc: Process) -> bool:
         """Whether an exited zygote worker reported an exception.  Its exit
@@ -488,7 +556,12 @@ class ProcessContext:
 
     def _finish(self) -> None:
         """Every worker is reaped: take the return values (still pickled),
-        release every fd."""
+        release every fd; as one step (nothing here blocks), so that a Ctrl-C
+        never leaves an fd closed and still recorded as open."""
+        with oscall.held_signals():
+            self._finish_held()
+
+    def _finish_held(self) -> None:
         if self._waiter is None:
             return
         self._receiver.drain()
@@ -507,8 +580,8 @@ class ProcessContext:
             proc.on_close = None
             if proc._exitcode is not None:
                 proc.close()
-        self._waiter.close()
-        self._waiter = None
+        waiter, self._waiter = self._waiter, None
+        waiter.close()
         self._receiver.close()
         helpers.forget_groups(self._watched_groups)
         _live_contexts.discard(self)

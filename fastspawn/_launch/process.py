@@ -118,9 +118,13 @@ class Process:
             return
         self._receiver.drain()
         if self._is_child:
-            status = oscall.pidfd_wait(self._pidfd, nohang=True)
-            if status is not None:
-                self._set_exit(status)
+            # Reaped and recorded as one step: a Ctrl-C between the two
+            # would lose the status, and every later wait would find no
+            # child (ChildProcessError).
+            with oscall.held_signals():
+                status = oscall.pidfd_wait(self._pidfd, nohang=True)
+                if status is not None:
+                    self._set_exit(status)
             return
         reports = self._receiver.reports
         if self.rank not in reports.exits and self._exited():
@@ -149,9 +153,12 @@ class Process:
                 )
                 reports.exits[self.rank] = -signal.SIGKILL
         if self.rank in reports.exits:
-            self._set_exit(reports.exits[self.rank])
+            with oscall.held_signals():
+                self._set_exit(reports.exits[self.rank])
 
     def _set_exit(self, status: int) -> None:
+        """Record the exit status and release the pidfd (signals held by
+        the caller)."""
         self._exitcode = status
         self.close()
 
@@ -200,13 +207,18 @@ class Process:
             return
         if self._is_child and self._exitcode is None:
             raise ValueError(f"cannot close process {self.pid}: it has not been reaped")
-        forget = self.on_close() if self.on_close is not None else None
-        if forget is not None:
-            forget(self)
-        with pidfd_lock:
+        # Forgotten by the context, and the number given up before the fd
+        # closes, in one step: cut short, a later close() must not close
+        # the file that took the number meanwhile.
+        with oscall.held_signals(), pidfd_lock:
+            forget = self.on_close() if self.on_close is not None else None
+            if forget is not None:
+                forget(self)
+            pidfd, self._pidfd = self._pidfd, -1
+            if pidfd < 0:
+                return  # another thread closed it meanwhile
             try:
-                os.close(self._pidfd)
+                os.close(pidfd)
             except OSError as exc:  # pragma: no cover - EBADF would be our bug
                 if exc.errno != errno.EBADF:
                     raise
-            self._pidfd = -1

@@ -6,19 +6,15 @@ import errno
 import math
 import os
 import select
-import signal
-import sys
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from fastspawn._os._core import ffi, lib
 
-# The C function signal.pthread_sigmask wraps: the wrapper turns each signal
-# of the mask it returns into an enum, 80 us for a held mask (some 60
-# signals) where the call itself costs 2 us (python -m timeit, one block and
-# restore), and held_signals() runs for every message a launch reads.  Like
-# the wrapper, it runs the handlers of signals it unblocked before returning.
-_pthread_sigmask: Callable[[int, Iterable[int]], set[int]] = sys.modules["_signal"].pthread_sigmask
+# The signal masks live in held; named here too, where callers find them.
+from fastspawn._os.held import _outside as _outside
+from fastspawn._os.held import held_signals as held_signals
+from fastspawn._os.held import start_quiet_thread as start_quiet_thread
+from fastspawn._os.held import unheld_mask as unheld_mask
 
 TYPE_CHECKING = False  # not typing's: the zygote and its workers skip typing
 if TYPE_CHECKING:
@@ -349,9 +345,12 @@ class Waiter:
         return [int(self._buf[i]) for i in range(n)]
 
     def close(self) -> None:
-        if self._epfd >= 0:
-            os.close(self._epfd)
-            self._epfd = -1
+        # Forgotten before closed: cut short between the two, the epoll set
+        # leaks; the other way round, a later close() would close whatever
+        # file took the number meanwhile.
+        fd, self._epfd = self._epfd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __del__(self) -> None:
         self.close()
@@ -536,80 +535,6 @@ def _launch_error(
     if step == lib.FS_STEP_SETPGID:
         return _error(err, f"setpgid to join process group {process_group}")
     return _error(err, _LAUNCH_STEPS.get(step, "fs_launch"))
-
-
-# Signals that report a fault of the thread that caused it: never blocked.
-_SYNCHRONOUS = {
-    signal.SIGSEGV,
-    signal.SIGBUS,
-    signal.SIGFPE,
-    signal.SIGILL,
-    signal.SIGABRT,
-    signal.SIGTRAP,
-    signal.SIGSYS,
-}
-# Every asynchronous signal: what held_signals() and start_quiet_thread()
-# block.  Computed once: signal.valid_signals() alone costs about 80 us.
-_ASYNCHRONOUS = frozenset(signal.valid_signals() - _SYNCHRONOUS - {signal.SIGKILL, signal.SIGSTOP})
-
-
-def start_quiet_thread(thread: threading.Thread) -> None:
-    """Start a helper thread (one that never forks or launches) with every
-    asynchronous signal blocked in it.
-
-    The kernel hands a signal sent to the process to any thread that does not
-    block it, and takes another one than the main thread when the main thread
-    has one pending already (a Ctrl-C followed at once by a SIGTERM).  Python
-    runs handlers in the main thread only; if ours took the signal, the main
-    thread, asleep in epoll_wait without a timeout, would never wake to run
-    the handler.  The new thread inherits the mask in force at start().
-    """
-    previous = _pthread_sigmask(signal.SIG_BLOCK, _ASYNCHRONOUS)
-    try:
-        thread.start()
-    finally:
-        _pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-# Per thread: the signal mask in force outside the outermost held_signals()
-# block, which a process started inside it must get (not the held one).
-_outside = threading.local()
-
-
-class held_signals:
-    """``with held_signals():`` keeps asynchronous signals pending across a
-    step whose result must reach the caller's records: a process started
-    and its pid stored, say.  A Ctrl-C in between would raise
-    KeyboardInterrupt after the process started and before anyone knew of
-    it, leaving it running (and its pidfd open) beyond any cleanup.  Held,
-    the signal is delivered when the block ends, and its exception raised
-    there.  ``previous`` is the mask to restore in a child forked inside;
-    :func:`launch` inside gives its child the mask from outside the block.
-    """
-
-    def __init__(self) -> None:
-        self.previous: set[int] = set()
-        self.outermost = False
-
-    def __enter__(self) -> held_signals:
-        self.previous = _pthread_sigmask(signal.SIG_BLOCK, _ASYNCHRONOUS)
-        self.outermost = getattr(_outside, "mask", None) is None
-        if self.outermost:
-            _outside.mask = self.previous
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.outermost:
-            _outside.mask = None
-        _pthread_sigmask(signal.SIG_SETMASK, self.previous)
-
-
-def unheld_mask() -> set[int]:
-    """This thread's signal mask as it is outside any held_signals() block."""
-    outside = getattr(_outside, "mask", None)
-    if outside is not None:
-        return set(outside)
-    return _pthread_sigmask(signal.SIG_BLOCK, ())
 
 
 def _mask_bits(mask: Iterable[int]) -> int:

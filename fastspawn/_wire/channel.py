@@ -151,13 +151,20 @@ class Receiver:
         return self.sock.fileno()
 
     def drain(self) -> bool:
-        """Read every message queued now; never blocks.  True if any was read."""
+        """Read every message queued now; never blocks.  True if any was read.
+
+        Signals are held throughout (the reads never block): a Ctrl-C raised
+        between a receive and its message applied would lose a rank's
+        result, its traceback or its exit status."""
+        from fastspawn._os import oscall  # the caller's side only: workers never read
+
         got = False
-        while not self.reports.eof:
-            try:
-                got |= self._read_one(hold=False)
-            except BlockingIOError:
-                break
+        with oscall.held_signals():
+            while not self.reports.eof:
+                try:
+                    got |= self._receive()
+                except BlockingIOError:
+                    break
         return got
 
     def read_blocking(self, timeout: float | None) -> bool:
@@ -176,23 +183,16 @@ class Receiver:
             if not poller.poll(None if left is None else left * 1000):
                 return False
             try:
-                return self._read_one(hold=True)
+                return self._read_one()
             except BlockingIOError:
                 pass  # woken for nothing: wait again
         return False
 
-    def _read_one(self, hold: bool) -> bool:
-        """Read one message, without blocking, and apply it to ``reports``.
-        False at EOF.
-
-        ``hold``: signals are held from the receive until the message is
-        applied, for a read that may bring a launch's pidfds (read_blocking,
-        which a launch waits in): a Ctrl-C raised as recvmsg() returns would
-        drop them on the floor, open, known to nobody.  Holding costs about
-        0.08 ms a message (Python's signal sets), which drain(), reading the
-        ranks' results and exits, does not pay."""
-        if not hold:
-            return self._receive()
+    def _read_one(self) -> bool:
+        """Read one message, without blocking, and apply it to ``reports``,
+        signals held from the receive until the message is applied: a
+        Ctrl-C raised as recvmsg() returns would drop it on the floor (a
+        launch's pidfds with it, open, known to nobody).  False at EOF."""
         from fastspawn._os import oscall  # the caller's side only: workers never read
 
         with oscall.held_signals():

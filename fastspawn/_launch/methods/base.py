@@ -89,20 +89,30 @@ def launch(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: Started
 
 def kill_started(started: Started, reap: bool) -> None:
     """Undo a launch that failed half-way: kill what did start, and reap it
-    when ``reap`` (the workers are our children)."""
-    for _pid, pidfd in started:
-        if pidfd < 0:
-            continue  # its pidfd never arrived: the zygote kills it
-        try:
-            oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if reap:
-            try:
-                oscall.pidfd_wait(pidfd, nohang=False)
-            except ChildProcessError:
-                pass
-        os.close(pidfd)
+    when ``reap`` (the workers are our children).
+
+    Signals are held throughout: a Ctrl-C pressed again and again while a
+    launch it cut short is undone must not leave workers running.  (The
+    waits are for processes just SIGKILLed.)  Each worker leaves ``started``
+    as its pidfd closes, so a call after one cut short never signals or
+    closes a pidfd twice (a number closed here may be another file's by
+    then)."""
+    with oscall.held_signals():
+        while started:
+            _pid, pidfd = started[-1]
+            if pidfd >= 0:  # else its pidfd never arrived: the zygote kills it
+                try:
+                    oscall.pidfd_send_signal(pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    if reap:
+                        oscall.pidfd_wait(pidfd, nohang=False)
+                except ChildProcessError:
+                    pass
+                finally:
+                    os.close(pidfd)
+            started.pop()
 
 
 class StartMethod:

@@ -53,16 +53,17 @@ def children_discarded() -> bool:
 def foreground_on_a_terminal() -> bool:
     """Whether this process's group is the foreground job of its
     controlling terminal."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
-    except OSError:
-        return False  # no controlling terminal
-    try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    with oscall.held_signals():  # opened and closed, whatever comes
+        try:
+            fd = os.open("/dev/tty", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+        except OSError:
+            return False  # no controlling terminal
+        try:
+            return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
 
 def new_group(req: LaunchRequest) -> int:
@@ -92,9 +93,10 @@ def new_group(req: LaunchRequest) -> int:
 def release_anchor(req: LaunchRequest) -> None:
     """Reap ``req``'s anchor, if not done yet: inside the held signals of
     the last rank's start, or in a ``finally`` when the launch failed."""
-    anchor, req.anchor = req.anchor, 0
-    if anchor:
-        oscall.release_group_anchor(anchor)
+    with oscall.held_signals():  # taken from req and reaped as one step
+        anchor, req.anchor = req.anchor, 0
+        if anchor:
+            oscall.release_group_anchor(anchor)
 
 
 @contextlib.contextmanager
@@ -115,13 +117,13 @@ def launch_group(req: LaunchRequest, started: Started) -> Iterator[int]:
 def end_group(req: LaunchRequest, started: Started) -> None:
     """A launch failed half-way: kill and reap what started (``started`` is
     emptied: its pidfds are closed), drop its group."""
-    try:
-        kill_started(started, reap=req.method.caller_reaps)
-        started.clear()
-    finally:
-        forget_groups(req.watched_groups)
-        req.group = 0
-        req.watched_groups = []
+    with oscall.held_signals():  # see kill_started
+        try:
+            kill_started(started, reap=req.method.caller_reaps)
+        finally:
+            forget_groups(req.watched_groups)
+            req.group = 0
+            req.watched_groups = []
 
 
 def tracker_fd() -> int | None:

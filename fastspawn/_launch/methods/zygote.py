@@ -167,8 +167,9 @@ def _receive_workers(
         try:
             rx.drain()
         finally:
-            kill_started([reports.pids[rank] for rank in sorted(reports.pids)], reap=False)
-            reports.pids.clear()
+            with oscall.held_signals():  # into the caller's list, which it kills too
+                started += [reports.pids.pop(rank) for rank in sorted(reports.pids)]
+            kill_started(started, reap=False)
             forget_groups(req.watched_groups)
         raise
 
