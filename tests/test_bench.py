@@ -30,6 +30,9 @@ from fastspawn._bench import rounds as bench_rounds
 from fastspawn._bench import session as bench_session
 from fastspawn._bench import summary as bench_summary
 
+# Long, and the same on every CPython: CI runs them on one version (.ci/run).
+pytestmark = pytest.mark.version_neutral
+
 # Cheap methods for the CLI runs: no torch, nothing that needs a cold start.
 CHEAP = [
     "fastspawn-zygote-warm",

@@ -53,6 +53,9 @@ import pytest
 
 from fastspawn._warden import main as warden_main
 
+# Long, and the same on every CPython: CI runs them on one version (.ci/run).
+pytestmark = pytest.mark.version_neutral
+
 TESTS = Path(__file__).resolve().parent
 DRIVER = TESTS / "chaos_driver.py"
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# Long, and the same on every CPython: CI runs them on one version (.ci/run).
+pytestmark = pytest.mark.version_neutral
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -25,6 +25,9 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+# Long, and the same on every CPython: CI runs them on one version (.ci/run).
+pytestmark = pytest.mark.version_neutral
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
