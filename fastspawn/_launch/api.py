@@ -185,6 +185,9 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
         with oscall.held_signals():
             if tx is not None:
                 tx.close()  # again, if a Ctrl-C came before the finally's
+            # A fork or spawn launch's group anchor, if a Ctrl-C cut its
+            # own release short (a zombie child otherwise).
+            base.release_anchor(request)
             if context is None:
                 # Interrupted as the launch ended, or out of fds for the
                 # epoll set: the workers run, and nothing would watch them.

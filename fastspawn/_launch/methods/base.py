@@ -115,6 +115,17 @@ def kill_started(started: Started, reap: bool) -> None:
             started.pop()
 
 
+def release_anchor(req: LaunchRequest) -> None:
+    """Reap ``req``'s process-group anchor (see common.new_group), if not
+    done yet: inside the held signals of the last rank's start, in the
+    launch's ``finally`` when it failed, or, should a Ctrl-C have cut that
+    short, in the caller's cleanup."""
+    with oscall.held_signals():  # taken from req and reaped as one step
+        anchor, req.anchor = req.anchor, 0
+        if anchor:
+            oscall.release_group_anchor(anchor)
+
+
 class StartMethod:
     """How the workers of one launch come to life.
 

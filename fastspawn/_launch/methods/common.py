@@ -14,7 +14,13 @@ import os
 import signal
 from collections.abc import Iterator
 
-from fastspawn._launch.methods.base import LaunchRequest, Started, StartMethod, kill_started
+from fastspawn._launch.methods.base import (
+    LaunchRequest,
+    Started,
+    StartMethod,
+    kill_started,
+    release_anchor,
+)
 from fastspawn._launch.methods.helpers import forget_groups
 from fastspawn._os import oscall
 from fastspawn._warden import client
@@ -88,15 +94,6 @@ def new_group(req: LaunchRequest) -> int:
         req.watched_groups = [group]
         client.watch_group(group)
     return group
-
-
-def release_anchor(req: LaunchRequest) -> None:
-    """Reap ``req``'s anchor, if not done yet: inside the held signals of
-    the last rank's start, or in a ``finally`` when the launch failed."""
-    with oscall.held_signals():  # taken from req and reaped as one step
-        anchor, req.anchor = req.anchor, 0
-        if anchor:
-            oscall.release_group_anchor(anchor)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator
 from typing import NoReturn
 
-from fastspawn._launch.methods import common
+from fastspawn._launch.methods import base, common
 from fastspawn._launch.methods.base import LaunchRequest, Started
 from fastspawn._os import oscall
 from fastspawn._os.launcher_thread import on_launcher_thread
@@ -72,7 +72,7 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
                     raise
                 started.append((pid, pidfd))
                 if rank == req.nprocs - 1:
-                    common.release_anchor(req)  # here, with the signals still held
+                    base.release_anchor(req)  # here, with the signals still held
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 
-from fastspawn._launch.methods import common
+from fastspawn._launch.methods import base, common
 from fastspawn._launch.methods.base import LaunchRequest, Started
 from fastspawn._os import oscall
 from fastspawn._os.launcher_thread import on_launcher_thread
@@ -86,7 +86,7 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
                         )
                     )
                     if rank == req.nprocs - 1:
-                        common.release_anchor(req)  # here, with the signals still held
+                        base.release_anchor(req)  # here, with the signals still held
     finally:
         if payload_fd >= 0:
             os.close(payload_fd)
