@@ -171,8 +171,10 @@ if __name__ == "__main__":
     method, rounds = sys.argv[2], int(sys.argv[3])
     signal.signal(signal.SIGINT, quiet)
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
-    fastspawn.start_processes(workers.square, nprocs=1, start_method=method)
+    # Before any launch: the zygote's client (its watch thread waits on an
+    # epoll fd of its own) is stopped below, the warden's fds left out.
     fds = open_fds()
+    fastspawn.start_processes(workers.square, nprocs=1, start_method=method)
     problems = []
     for i in range(rounds):
         fail = i % 2 == 1
@@ -200,6 +202,7 @@ if __name__ == "__main__":
             values = ctx.return_values
             if values != {r: r * r for r in range(nprocs)} or failures:
                 problems.append((i, "values", values, [str(f) for f in failures]))
+    fastspawn.stop_zygote()
     time.sleep(0.2)
     print(problems, open_fds() - fds, len(launch_context._live_contexts))
 """
@@ -220,7 +223,7 @@ def test_ctrl_c_storms_during_join_lose_nothing(tmp_path, start_method):
 
 
 _INJECTOR = """
-import os, sys, threading
+import os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import fastspawn, workers
 from fastspawn._launch import context as launch_context
@@ -296,8 +299,8 @@ def joined(ctx, injector):
 
 if __name__ == "__main__":
     method, stride = sys.argv[2], int(sys.argv[3])
+    fds = open_fds()  # before any launch: see the join storm's driver
     fastspawn.start_processes(workers.square, nprocs=1, start_method=method)
-    fds = open_fds()
     problems, points = [], 0
     for fail in (False, True):
         n = 1
@@ -317,6 +320,8 @@ if __name__ == "__main__":
                 break  # past the last line a join runs
             points += 1
             n += stride
+    fastspawn.stop_zygote()
+    time.sleep(0.2)
     print(problems, points > 10, open_fds() - fds, len(launch_context._live_contexts))
 """
 

@@ -105,6 +105,8 @@ class ProcessContext:
         # Ranks reaped through their Process object (join, is_alive, ...):
         # the waiter no longer sees them, so join looks here first.
         self._reaped_elsewhere: list[int] = []
+        # Seen to exit, out of _pending, not yet judged by _failure().
+        self._unjudged: list[Process] = []
         self._waiter.add(receiver.fileno(), _CHANNEL)
         self._channel_watched = True
         for proc in processes:
@@ -266,9 +268,10 @@ class ProcessContext:
             exited = self._collect(left)
             if exited or (deadline is not None and time.monotonic() >= deadline):
                 break
-        failed = self._failure(exited)
+        failed = self._failure()
         if failed is not None:
             self._fail(failed.rank, grace_period)
+        self._unjudged.clear()  # cut short before this, judged again: no harm
         if self._pending:
             return False
         self._finish()
@@ -281,24 +284,22 @@ class ProcessContext:
         with oscall.held_signals():
             raise self._exception(self._unreported.pop(0))
 
-    def _failure(self, exited: list[Process]) -> Process | None:
-        """The rank whose failure this join raises: the first of ``exited``
-        that ended badly; else, before any failure was raised, any rank no
-        longer pending that did (one a Ctrl-C cut off between its exit being
-        seen and judged, in an earlier join).  None if none did."""
+    def _failure(self) -> Process | None:
+        """The rank whose failure this join raises: the first that ended
+        badly of those seen to exit since the last judgement (in this join,
+        or in one a Ctrl-C cut short before it judged them); None if none
+        did, or a failure was raised already."""
         if self._failed:
             return None
         errors = self._receiver.reports.errors
-
-        def bad(proc: Process) -> bool:
-            return proc.rank in errors or (proc._exitcode is not None and proc._exitcode != 0)
-
-        found = next((p for p in exited if bad(p)), None)
-        if found is None:
-            found = next(
-                (p for p in self.processes if p.rank not in self._pending and bad(p)), None
-            )
-        return found
+        return next(
+            (
+                p
+                for p in self._unjudged
+                if p.rank in errors or (p._exitcode is not None and p._exitcode != 0)
+            ),
+            None,
+        )
 
     def _fail(self, rank: int, grace_period: float | None) -> NoReturn:
         """Rank ``rank`` ended badly: stop the others, then raise for it.
@@ -364,27 +365,44 @@ class ProcessContext:
                 ready = self._waiter.wait(timeout)
             except InterruptedError:
                 return []  # a signal handler ran without raising: keep waiting
-        exited = []
-        for token in ready:
-            if token == _CHANNEL:
-                self._drain()
-                continue
-            proc = self._pending.get(token)
-            if proc is None:
-                self._seen_elsewhere(token)
-                continue
-            raised = self._raised(proc)
-            if not raised:
-                proc._poll(deadline)  # may wait for a zygote's word: signals not held
-            if raised or proc._exitcode is not None:
-                # Cut short before this, the pidfd still polls readable (or
-                # the rank is in _reaped_elsewhere): the next join sees it
-                # again.  After it, _failure() finds it.
-                with oscall.held_signals():
-                    del self._pending[token]
-                    exited.append(proc)
+        # One held step for what is known now (a held step costs ~19 us in
+        # the main thread: one per rank would make joining 256 ranks 10x
+        # slower); a zygote rank whose exit status is still on its way is
+        # waited for after it, signals not held.
+        exited: list[Process] = []
+        waiting: list[Process] = []
+        with oscall.held_signals():
+            for token in ready:
+                if token == _CHANNEL:
+                    self._drain()
+                    continue
+                proc = self._pending.get(token)
+                if proc is None:
                     self._seen_elsewhere(token)
+                    continue
+                raised = self._raised(proc)
+                if not raised:
+                    proc._poll(time.monotonic())  # what is in: no wait
+                if raised or proc._exitcode is not None:
+                    self._judged(proc, exited)
+                else:
+                    waiting.append(proc)
+        for proc in waiting:
+            proc._poll(deadline)  # may wait for the zygote's word
+            if proc._exitcode is not None:
+                with oscall.held_signals():
+                    self._judged(proc, exited)
         return exited
+
+    def _judged(self, proc: Process, exited: list[Process]) -> None:
+        """``proc`` exited: out of _pending, into ``exited`` (signals held by
+        the caller).  Cut short before this, its pidfd still polls readable
+        (or it is in _reaped_elsewhere): the next join sees it again; after
+        it, _failure() finds it."""
+        del self._pending[proc.rank]
+        exited.append(proc)
+        self._unjudged.append(proc)
+        self._seen_elsewhere(proc.rank)
 
     def _seen_elsewhere(self, rank: int) -> None:
         if rank in self._reaped_elsewhere:
