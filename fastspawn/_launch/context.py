@@ -274,6 +274,11 @@ class ProcessContext:
         self._unjudged.clear()  # cut short before this, judged again: no harm
         if self._pending:
             return False
+        # A zygote rank judged by its report alone (it raised) has its exit
+        # status on the way: take it before its pidfd is released.
+        for proc in self.processes:
+            if proc._exitcode is None:
+                proc.join()
         self._finish()
         return True
 
@@ -310,10 +315,12 @@ class ProcessContext:
         reaps them too and propagates, leaving the failure for the next
         join to raise.
         """
-        with oscall.held_signals():  # failed and to be raised: one step
-            self._failed = True
-            self._unreported = [rank]  # until raised below
         try:
+            # Cut short before this, nothing changed: the next join judges
+            # the failure again (it stays in _unjudged).
+            with oscall.held_signals():  # failed and to be raised: one step
+                self._failed = True
+                self._unreported = [rank]  # until raised below
             self._stop_all(grace_period, self.processes[rank])
         except Exception:
             log.exception(
@@ -324,7 +331,9 @@ class ProcessContext:
             self._kill_all(rank)
         except BaseException:
             self._kill_all(rank)
-            self._unreported = [rank, *self._failed_besides(rank)]
+            with oscall.held_signals():  # even if cut short before the first step
+                self._failed = True
+                self._unreported = [rank, *self._failed_besides(rank)]
             raise
         with oscall.held_signals():
             self._unreported = [rank, *self._failed_besides(rank)]
