@@ -232,10 +232,15 @@ def test_plot_draws_a_png(tmp_path):
 
 def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
     png = tmp_path / "bench.png"
-    done = bench("--methods", "mp-fork", "--plot", str(png), env=shadowing(tmp_path, "matplotlib"))
+    without = shadowing(tmp_path, "matplotlib")
+    done = bench("--methods", "mp-fork", "--plot", str(png), env=without)
     assert done.returncode == 2
     assert "matplotlib" in done.stderr and "fastspawn[plot]" in done.stderr
     assert done.stdout == "" and not png.exists()
+    # Its advice, "or leave --plot out", followed:
+    assert "or leave --plot out" in done.stderr
+    done = bench("--methods", "mp-fork", "--nprocs", "1", "--repeat", "1", env=without)
+    assert done.returncode == 0, done.stderr
 
 
 def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_path):
@@ -333,6 +338,16 @@ def test_help_is_clear():
         assert word in done.stdout, word
 
 
+def test_without_psutil_the_bench_says_where_uss_comes_from(tmp_path):
+    args = ("--methods", "mp-fork", "--nprocs", "1", "--repeat", "1")
+    done = bench(*args, env=shadowing(tmp_path, "psutil"))
+    assert done.returncode == 0, done.stderr
+    assert "USS not measured (pip install 'fastspawn[bench]')" in done.stderr
+    # Followed (the extra brings psutil, installed here): USS measured.
+    done = bench(*args)
+    assert done.returncode == 0 and "USS not measured" not in done.stderr, done.stderr
+
+
 def test_unknown_method_lists_the_valid_ones():
     done = bench("--methods", "mp-spawn,mp-vfork")
     assert done.returncode == 2
@@ -340,18 +355,31 @@ def test_unknown_method_lists_the_valid_ones():
     for method in common.ALL_METHODS:
         assert method in done.stderr
     assert done.stdout == ""
+    # Followed: a name from the list, and a group it offers.
+    valid = done.stderr.split("valid: ", 1)[1]
+    name, group = valid.split(",")[0].strip(), valid.split("or a group: ", 1)[1].split(",")[0]
+    done = bench("--methods", f"mp-spawn,{name},{group.strip()}", "--nprocs", "1", "--repeat", "1")
+    assert done.returncode == 0, done.stderr
 
 
 def test_torch_spawn_without_torch_says_so(tmp_path):
-    done = bench("--methods", "torch-spawn", env=shadowing(tmp_path, "torch"))
+    without = shadowing(tmp_path, "torch")
+    done = bench("--methods", "torch-spawn,mp-fork", env=without)
     assert done.returncode == 2
     assert "torch-spawn needs torch" in done.stderr
+    # Followed: "or leave torch-spawn out of --methods".
+    assert "leave torch-spawn out of --methods" in done.stderr
+    done = bench("--methods", "mp-fork", "--nprocs", "1", "--repeat", "1", env=without)
+    assert done.returncode == 0, done.stderr
 
 
 def test_absurd_nprocs_is_refused_naming_the_limit():
     done = bench("--methods", "mp-fork", "--nprocs", "1,100000000")
     assert done.returncode == 2
     assert "RLIMIT_" in done.stderr and "lower --nprocs" in done.stderr
+    # Followed: a lower --nprocs runs.
+    done = bench("--methods", "mp-fork", "--nprocs", "1,2", "--repeat", "1")
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize(
