@@ -785,10 +785,13 @@ def test_workers_of_a_caller_without_stdin(tmp_path):
 
             if __name__ == "__main__":
                 assert sys.stdin is None
+                # Made first, while fd 0 is free: later, a helper's fd (the
+                # zygote client's thread opens one when it gets to it) may
+                # hold 0, and where the Pipe lands depends on the timing.
+                theirs, ours = multiprocessing.Pipe()
                 for method in ("zygote", "fork", "spawn"):
                     ctx = fastspawn.start_processes(work, nprocs=2, start_method=method)
                     print(method, ctx.return_values)
-                theirs, ours = multiprocessing.Pipe()
                 print("pipe on fd", theirs.fileno())
                 fastspawn.start_processes(send, (theirs,), nprocs=1, start_method="fork")
                 print("got", ours.recv())
