@@ -74,6 +74,28 @@ def descendants_while_running(
     return seen
 
 
+def bench_watched(
+    *args: str, env: dict[str, str] | None = None
+) -> tuple[int, str, str, dict[int, psutil.Process]]:
+    """A bench run to its end, with every descendant seen while it ran:
+    (exit status, stdout, stderr, descendants)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastspawn", "bench", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        seen = descendants_while_running(proc, lambda seen: False)  # until it exits
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err, seen
+
+
 def still_running(seen: dict[int, psutil.Process], patience: float = 10) -> list[int]:
     """The pids of ``seen`` still alive (not zombies) after ``patience`` seconds."""
 
@@ -245,22 +267,11 @@ def test_plot_without_matplotlib_fails_before_measuring(tmp_path):
 
 def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_path):
     out = tmp_path / "floor.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fastspawn", "bench",
-         "--methods", "floor,floor-sized,fastspawn-fork",
-         "--nprocs", "1,4", "--repeat", "1", "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    returncode, table, err, seen = bench_watched(
+        "--methods", "floor,floor-sized,fastspawn-fork",
+        "--nprocs", "1,4", "--repeat", "1", "--json", str(out),
     )  # fmt: skip
-    try:
-        seen = descendants_while_running(proc, lambda seen: False)  # until it exits
-        table, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err
+    assert returncode == 0, err
     assert seen  # the helper at least, alive for the whole run
     assert still_running(seen) == []
 
@@ -458,22 +469,11 @@ def test_a_failed_round_keeps_the_rounds_before_it_and_names_itself(tmp_path):
         # rotates), so 6 rounds stand.
         "BENCH_BOMB_AT": "5",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fastspawn", "bench", "--methods", "mp-fork,mp-spawn",
-         "--nprocs", "1", "--repeat", "4", "--import", "bench_bomb", "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    returncode, table, err, seen = bench_watched(
+        "--methods", "mp-fork,mp-spawn", "--nprocs", "1", "--repeat", "4",
+        "--import", "bench_bomb", "--json", str(out), env=env,
     )  # fmt: skip
-    try:
-        seen = descendants_while_running(proc, lambda seen: False)  # until it exits
-        table, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, err
+    assert returncode == 1, err
     assert still_running(seen) == []
     assert "a measurement failed: mp-spawn with nprocs=1, round 2: rank 0 (pid " in err
     assert "exit code 3 before the bench released it" in err

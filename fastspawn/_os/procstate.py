@@ -132,19 +132,7 @@ def adopt_fork_limits(diff: dict[str, Any]) -> list[tuple[int, tuple[int, int]]]
     """
     import resource
 
-    number = resource.RLIMIT_NPROC
-    wanted = diff.get("rlimits", {}).get(number)
-    if wanted is None:
-        return []
-    own = resource.getrlimit(number)
-    soft = _at_most(wanted[0], own[1])
-    if soft == own[0]:
-        return []
-    try:
-        resource.setrlimit(number, (soft, own[1]))
-    except (OSError, ValueError):
-        return []  # forks go on under the zygote's own limit, as before
-    return [(number, own)]
+    return _adopt_soft(diff, resource.RLIMIT_NPROC, raise_only=False)
 
 
 def adopt_open_files_limit(diff: dict[str, Any]) -> list[tuple[int, tuple[int, int]]]:
@@ -158,13 +146,24 @@ def adopt_open_files_limit(diff: dict[str, Any]) -> list[tuple[int, tuple[int, i
     so later workers inherit the zygote's limit, as before."""
     import resource
 
-    number = resource.RLIMIT_NOFILE
+    return _adopt_soft(diff, resource.RLIMIT_NOFILE, raise_only=True)
+
+
+def _adopt_soft(
+    diff: dict[str, Any], number: int, raise_only: bool
+) -> list[tuple[int, tuple[int, int]]]:
+    """Take on the caller's soft limit ``number`` (from ``diff``) as far as
+    our hard limit; with ``raise_only``, only where it is above ours.
+    Returns what ``restore_limits`` puts back (nothing when unchanged, or
+    when the kernel refuses: we go on under our own limit, as before)."""
+    import resource
+
     wanted = diff.get("rlimits", {}).get(number)
     if wanted is None:
         return []
     own = resource.getrlimit(number)
     soft = _at_most(wanted[0], own[1])
-    if _at_most(soft, own[0]) == soft:  # not above ours
+    if soft == own[0] or (raise_only and _at_most(soft, own[0]) == soft):
         return []
     try:
         resource.setrlimit(number, (soft, own[1]))
