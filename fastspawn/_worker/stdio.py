@@ -17,9 +17,13 @@ def stdout_shows_lines() -> bool:
     """Whether this process's ``sys.stdout`` shows each line as it is
     printed: a terminal's (line-buffered), or a notebook's (no file at all:
     ipykernel's stream forwards what it is given).  The caller asks, for
-    its workers (line_buffer_stdout)."""
+    its workers (line_buffer_stdout).  A closed stream (a StringIO put
+    there and closed) shows nothing."""
     stream = sys.stdout
-    return stream is not None and bool(getattr(stream, "line_buffering", True))
+    try:
+        return stream is not None and bool(getattr(stream, "line_buffering", True))
+    except ValueError:  # "I/O operation on closed file"
+        return False
 
 
 def line_buffer_stdout() -> None:
