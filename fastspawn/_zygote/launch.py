@@ -74,12 +74,24 @@ class Launch:
 
 def adopt_tracker(fd: int) -> None:
     """Share the caller's multiprocessing resource tracker (its pipe comes in
-    with each launch), closing our copy of the previous launch's."""
+    with each launch) while the launch's fn and args are unpickled and its
+    workers forked; release_tracker() gives it up after."""
+    from multiprocessing import resource_tracker
+
+    release_tracker()
+    resource_tracker._resource_tracker._fd = os.dup(fd)  # type: ignore[attr-defined]
+
+
+def release_tracker() -> None:
+    """Close the zygote's copy of the caller's resource tracker pipe, once
+    the workers have theirs.  The tracker runs until every copy of its pipe
+    is closed: its owner stopping it waits for that (multiprocessing's own
+    tests do, between start methods), and a zygote that kept a copy would
+    keep that wait from ever ending."""
     from multiprocessing import resource_tracker
 
     tracker = resource_tracker._resource_tracker
-    old = getattr(tracker, "_fd", None)
-    tracker._fd = os.dup(fd)  # type: ignore[attr-defined]
+    old, tracker._fd = getattr(tracker, "_fd", None), None  # type: ignore[attr-defined]
     if isinstance(old, int) and old >= 0:
         try:
             os.close(old)

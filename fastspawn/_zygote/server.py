@@ -24,7 +24,13 @@ from fastspawn._worker import runner
 from fastspawn._worker import spawned as worker_spawned
 from fastspawn._zygote import protocol
 from fastspawn._zygote.forking import Forker
-from fastspawn._zygote.launch import Launch, LaunchStdio, adopt_tracker, send_pidfds
+from fastspawn._zygote.launch import (
+    Launch,
+    LaunchStdio,
+    adopt_tracker,
+    release_tracker,
+    send_pidfds,
+)
 from fastspawn._zygote.signals import Signals, terminating
 
 TYPE_CHECKING = False
@@ -220,6 +226,7 @@ class Zygote:
                 header, launch, stdio, fn, args, payload_error, self.own_fds()
             )
         del fn, args
+        release_tracker()  # the workers hold the caller's tracker now
         # Arguments in a reference cycle (an object that refers to itself)
         # would wait for a collection, or be frozen by settle(), holding the
         # fds they carry open for every later worker: collect them now.
