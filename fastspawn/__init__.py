@@ -2,7 +2,11 @@
 
 A drop-in for ``torch.multiprocessing``'s ``spawn`` / ``start_processes`` /
 ``ProcessContext``, built on pidfds, PR_SET_PDEATHSIG with its race check and
-one epoll waiter per job.
+one epoll waiter per job; and for ``multiprocessing`` itself: every name of
+``multiprocessing`` (and ``torch.multiprocessing``) is here, backed by
+fastspawn's contexts (``import fastspawn as mp``), whose names
+("fastspawn", "fastspawn-spawn", ...) multiprocessing knows once fastspawn
+is imported.
 
 The public names load on first use (PEP 562): a spawned worker imports
 ``fastspawn._worker`` on every start, and must not pay for the launcher side.
@@ -11,6 +15,11 @@ The public names load on first use (PEP 562): a spawned worker imports
 from __future__ import annotations
 
 import importlib
+import multiprocessing as _multiprocessing
+
+# Registers fastspawn's contexts with multiprocessing by name: one small
+# module over multiprocessing's context module, which every worker loads anyway.
+from fastspawn._mp import context as _mp_context  # noqa: F401
 
 # Not typing.TYPE_CHECKING: importing typing costs a spawned worker a few ms,
 # and mypy reads any TYPE_CHECKING as true.
@@ -31,14 +40,19 @@ _WHERE = {
     "ProcessRaisedException": "fastspawn._launch.errors",
     "preload": "fastspawn._launch.methods.helpers",
     "stop_zygote": "fastspawn._launch.methods.helpers",
-    "Process": "fastspawn._launch.process",
+    "Process": "fastspawn._mp.context",
+    "ProcessHandle": "fastspawn._launch.process",
     "patch_torch": "fastspawn._torch.patch",
     "unpatch_torch": "fastspawn._torch.patch",
 }
 
+# fastspawn's own names, then multiprocessing's (from fastspawn's default
+# context); torch.multiprocessing's sharing-strategy functions are names too,
+# where torch is installed, but not in __all__ (not there without torch).
 __all__ = [
     "ENV_VAR_PARALLEL_START",
     "Process",
+    "ProcessHandle",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
@@ -51,19 +65,27 @@ __all__ = [
     "stop_zygote",
     "unpatch_torch",
 ]
+__all__ += [name for name in _multiprocessing.__all__ if name not in __all__]
 
 
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
-        raise AttributeError(f"module 'fastspawn' has no attribute {name!r}")
+        from fastspawn._mp import face
+
+        if name not in face.MULTIPROCESSING_NAMES and name not in face.TORCH_NAMES:
+            raise AttributeError(f"module 'fastspawn' has no attribute {name!r}")
+        module = face.__name__
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    from fastspawn._mp import face
+
+    torch = list(face.TORCH_NAMES) if face.torch_installed() else []
+    return sorted({*globals(), *_WHERE, *face.MULTIPROCESSING_NAMES, *torch})
 
 
 if TYPE_CHECKING:
@@ -75,6 +97,7 @@ if TYPE_CHECKING:
         ProcessRaisedException,
     )
     from fastspawn._launch.methods.helpers import preload, stop_zygote
-    from fastspawn._launch.process import Process
+    from fastspawn._launch.process import Process as ProcessHandle
+    from fastspawn._mp.context import Process
     from fastspawn._torch.patch import patch_torch, unpatch_torch
     from fastspawn._torch.spawn_context import SpawnContext

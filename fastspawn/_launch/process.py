@@ -88,7 +88,7 @@ class Process:
             state = "alive" if self.is_alive() else "exited"
         else:
             state = f"exitcode={self._exitcode}"
-        return f"<fastspawn.Process rank={self.rank} pid={self.pid} {state}>"
+        return f"<fastspawn.ProcessHandle rank={self.rank} pid={self.pid} {state}>"
 
     @property
     def sentinel(self) -> int:
@@ -222,3 +222,8 @@ class Process:
             except OSError as exc:  # pragma: no cover - EBADF would be our bug
                 if exc.errno != errno.EBADF:
                     raise
+
+
+# Its public name (fastspawn.ProcessHandle): fastspawn.Process is
+# multiprocessing's Process, started by fastspawn (fastspawn._mp).
+ProcessHandle = Process

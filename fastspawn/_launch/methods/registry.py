@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from fastspawn._launch.methods import fork, forkserver, spawn, zygote
+from fastspawn._launch.methods import names as builtin_names
 from fastspawn._launch.methods.base import StartMethod
 
 # The built-in methods' names, for type checkers: a misspelt start_method is
@@ -73,6 +74,9 @@ def get(name: object) -> StartMethod:
     """
     if name is None:
         name = multiprocessing_default()
+        # fastspawn's own contexts, chosen with multiprocessing's
+        # set_start_method: "fastspawn" (the zygote), "fastspawn-spawn", ...
+        name = builtin_names.method_of_context(name)
         if name not in _methods:
             name = DEFAULT
     method = _methods.get(name) if isinstance(name, str) else None
@@ -89,3 +93,4 @@ for _method in (zygote.METHOD, spawn.METHOD, fork.METHOD, forkserver.METHOD):
 del _method
 
 DEFAULT: StartMethodName = "zygote"
+assert DEFAULT == builtin_names.DEFAULT and set(builtin_names.BUILTIN) <= set(_methods)

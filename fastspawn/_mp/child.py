@@ -1,0 +1,67 @@
+"""A multiprocessing process's start inside a fastspawn worker: what
+multiprocessing's ``spawn_main`` and fork Popen do once the process object
+is there (its ``_bootstrap``, then exit with its code)."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import context as mp_context
+from multiprocessing import process as mp_process
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
+
+
+def preparation() -> dict[str, Any]:
+    """What of the caller's multiprocessing state the process takes on, as
+    spawn's preparation data carries it: the default start method (when
+    chosen), and the multiprocessing logger's set-up."""
+    from multiprocessing import util
+
+    logger = util._logger  # type: ignore[attr-defined]
+    return {
+        "start_method": mp_context._default_context.get_start_method(allow_none=True),
+        "log_to_stderr": util._log_to_stderr,  # type: ignore[attr-defined]
+        "log_level": None if logger is None else logger.getEffectiveLevel(),
+    }
+
+
+def run(rank: int, process_obj: mp_process.BaseProcess, prepared: dict[str, Any]) -> NoReturn:
+    """The worker's fn: run ``process_obj`` as multiprocessing's child would,
+    after taking on the caller's ``preparation()``.  (fastspawn's contexts
+    are registered by name here: importing this module imported
+    ``fastspawn``.)"""
+    start_method = prepared["start_method"]
+    known = mp_context._concrete_contexts  # type: ignore[attr-defined]
+    if start_method is not None and start_method in known:
+        mp_context._force_start_method(start_method)
+    if prepared["log_to_stderr"] or prepared["log_level"] is not None:
+        from multiprocessing import util
+
+        if prepared["log_to_stderr"]:
+            util.log_to_stderr()
+        if prepared["log_level"] is not None:
+            util.get_logger().setLevel(prepared["log_level"])
+    code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))  # type: ignore[attr-defined]
+    raise SystemExit(code)
+
+
+def _parent_sentinel(caller: int) -> int:
+    """An fd readable once the process that made ``process_obj`` has exited,
+    for ``multiprocessing.parent_process()``: the pidfd the worker's start
+    opened (fastspawn._worker.runner.set_parent_process) when it is that
+    process's, else one opened here; a pipe already at its end if that
+    process is gone."""
+    parent = mp_process.parent_process()
+    sentinel = getattr(parent, "_sentinel", None)
+    if parent is not None and parent.pid == caller and isinstance(sentinel, int):
+        return sentinel
+    from fastspawn._os import oscall
+
+    try:
+        return oscall.pidfd_open(caller)
+    except OSError:
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        return read_end

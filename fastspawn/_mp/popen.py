@@ -1,0 +1,102 @@
+"""The Popen of fastspawn's contexts: what multiprocessing's Process drives
+(``pid``, ``sentinel``, ``poll``, ``wait``, ``terminate``, ``kill``,
+``close``), over a one-rank fastspawn launch.
+
+The process object travels as a launch's argument, pickled with the fds of
+the Connections, Queues, Locks and shared tensors it carries (see
+fastspawn._wire.pickling) for the zygote and spawn, in memory for fork; in
+the worker, fastspawn._mp.child runs it.  The launch brings fastspawn's
+orphan safety (the worker and its own children die with the caller) and
+pidfd waits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from multiprocessing import process as mp_process
+from multiprocessing import util
+
+from fastspawn._launch.api import launch_context
+from fastspawn._launch.methods import registry
+from fastspawn._launch.methods.base import LaunchRequest
+from fastspawn._launch.methods.names import context_name
+from fastspawn._mp import child
+from fastspawn._os.oscall import wait_readable
+
+
+class Popen:
+    """One process started by fastspawn for multiprocessing.
+
+    Attributes:
+        method: the context's name ("fastspawn", "fastspawn-spawn", ...).
+        pid: the process's pid.
+        sentinel: an fd that polls readable once the process has exited;
+            open until ``close()`` (multiprocessing waits on it after the
+            exit too).
+        returncode: the exit code, minus the signal number, or None while
+            it runs.
+    """
+
+    def __init__(self, process_obj: mp_process.BaseProcess, method: str) -> None:
+        util._flush_std_streams()  # type: ignore[attr-defined]
+        self.method = context_name(method)
+        self.returncode: int | None = None
+        self.finalizer: util.Finalize | None = None
+        self._lock = threading.Lock()  # one thread collects the status
+        request = LaunchRequest(
+            fn=child.run,
+            args=(process_obj, child.preparation()),
+            nprocs=1,
+            daemon=bool(process_obj.daemon),
+            method=registry.get(method),
+        )
+        self._context = launch_context(request)
+        self._process = self._context.processes[0]
+        self.pid = self._process.pid
+        # The worker's pidfd closes once its status is in; multiprocessing
+        # waits on the sentinel until the Process is closed.
+        self.sentinel = os.dup(self._process.sentinel)
+        self.finalizer = util.Finalize(self, os.close, (self.sentinel,))
+
+    def __repr__(self) -> str:
+        state = "running" if self.returncode is None else f"returncode={self.returncode}"
+        return f"<fastspawn Popen {self.method!r} pid={self.pid} {state}>"
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """The exit code if the process has exited (else None); with
+        ``flag`` 0, wait for the exit."""
+        if self.returncode is None and not flag & os.WNOHANG:
+            wait_readable([self.sentinel], None)
+        if self.returncode is None:
+            with self._lock:
+                if self.returncode is None:
+                    code = self._process.exitcode  # the zygote's word of it: ms
+                    if code is not None:
+                        self.returncode = code
+                        self._context._finish()  # the launch's channel and waiter
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds (None: no limit) for the exit;
+        the exit code, or None if the process still runs."""
+        if self.returncode is None:
+            if timeout is not None and not wait_readable([self.sentinel], max(timeout, 0.0)):
+                return None
+            return self.poll(0)
+        return self.returncode
+
+    def terminate(self) -> None:
+        """SIGTERM, through the pidfd (never to a process that took its pid)."""
+        if self.returncode is None:
+            self._process.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL, through the pidfd."""
+        if self.returncode is None:
+            self._process.kill()
+
+    def close(self) -> None:
+        """Release the sentinel (multiprocessing's ``Process.close()``)."""
+        if self.finalizer is not None:
+            self.finalizer()
