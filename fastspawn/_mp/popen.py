@@ -12,6 +12,7 @@ pidfd waits.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from multiprocessing import process as mp_process
@@ -23,6 +24,15 @@ from fastspawn._launch.methods.base import LaunchRequest
 from fastspawn._launch.methods.names import context_name
 from fastspawn._mp import child
 from fastspawn._os.oscall import wait_readable
+
+
+# At exit, multiprocessing's own end (its finalizers, a Manager's shutdown
+# among them; then daemonic processes terminated, the others joined) must
+# come before fastspawn's (fastspawn._launch.context), which waits for every
+# launch still running (a Manager's server would never end) and then stops
+# the zygote.  Registered after fastspawn's, it runs first; its second run,
+# multiprocessing's own registration, does nothing.
+atexit.register(util._exit_function)  # type: ignore[attr-defined]
 
 
 class Popen:
