@@ -1,0 +1,132 @@
+"""Orphans of multiprocessing's objects on fastspawn's contexts: SIGKILL of
+the caller leaves no Pool worker, executor worker, DataLoader worker (one
+blocked in a dataset call, one blocked writing to a full pipe) or
+``ctx.Process`` child, nor any of their own children, 1 s later; on every
+method the contexts offer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import alive_after, gone, kill_driver
+
+METHODS = ["fastspawn", "fastspawn-fork", "fastspawn-spawn", "fastspawn-forkserver"]
+
+# The caller: starts `WORKERS` workers of one kind, each of which starts a
+# `sleep` of its own and records "worker-pid child-pid" as a file in the
+# folder, then blocks; the caller prints every pid and waits to be killed.
+DRIVER = """
+import os, subprocess, sys, time
+from pathlib import Path
+import fastspawn
+
+WORKERS = 2
+FOLDER = Path(sys.argv[3])
+
+
+def block(_item=None):
+    child = subprocess.Popen(["sleep", "600"])
+    (FOLDER / f"{os.getpid()}-{child.pid}").touch()
+    time.sleep(600)
+
+
+def flood(_item=None):
+    return b"x" * (1 << 20)  # a worker blocks writing these to the full pipe
+
+
+class Blocking:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        block()
+
+
+class Flooding:
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, index):
+        if not any(p.name.startswith(f"{os.getpid()}-") for p in FOLDER.iterdir()):
+            child = subprocess.Popen(["sleep", "600"])
+            (FOLDER / f"{os.getpid()}-{child.pid}").touch()
+        return flood()
+
+
+def start(kind, ctx):
+    if kind == "process":
+        procs = [ctx.Process(target=block) for _ in range(WORKERS)]
+        for proc in procs:
+            proc.start()
+        return procs
+    if kind == "pool":
+        pool = ctx.Pool(WORKERS)
+        pool.map_async(block, range(WORKERS), chunksize=1)
+        return pool
+    if kind == "executor":
+        from concurrent.futures import ProcessPoolExecutor
+
+        executor = ProcessPoolExecutor(WORKERS, mp_context=ctx)
+        for _ in range(WORKERS):
+            executor.submit(block)
+        return executor
+    from torch.utils.data import DataLoader
+
+    dataset = Blocking() if kind == "dataloader" else Flooding()
+    loader = DataLoader(dataset, num_workers=WORKERS, multiprocessing_context=ctx,
+                        batch_size=None, prefetch_factor=64)
+    iterator = iter(loader)
+    if kind == "dataloader-full-pipe":
+        next(iterator)  # then read no more: the workers fill the pipe and block
+    return iterator
+
+
+if __name__ == "__main__":
+    kind, method = sys.argv[1], sys.argv[2]
+    keep = start(kind, fastspawn.get_context(method))
+    deadline = time.monotonic() + 120
+    while len(list(FOLDER.iterdir())) < WORKERS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(pid) for path in FOLDER.iterdir() for pid in path.name.split("-")]
+    print(" ".join(map(str, pids)), flush=True)
+    time.sleep(600)
+"""
+
+
+def _driver(tmp_path: Path, kind: str, method: str) -> tuple[subprocess.Popen[str], list[int]]:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    driver = subprocess.Popen(
+        [sys.executable, str(script), kind, method, str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert driver.stdout is not None
+    pids = [int(word) for word in driver.stdout.readline().split()]
+    return driver, pids
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "kind", ["process", "pool", "executor", "dataloader", "dataloader-full-pipe"]
+)
+def test_sigkill_of_caller_leaves_no_worker_nor_its_child(tmp_path, kind, method):
+    if kind.startswith("dataloader"):
+        pytest.importorskip("torch")
+    driver, pids = _driver(tmp_path, kind, method)
+    try:
+        assert len(pids) == 4, f"the driver did not report 2 workers and their children: {pids}"
+        assert not any(gone(pid) for pid in pids), "a worker or its child ended before the kill"
+        if kind == "dataloader-full-pipe":
+            time.sleep(0.5)  # the workers fill the pipe and block on it
+    finally:
+        kill_driver(driver)
+    alive = alive_after(pids)
+    assert alive == [], f"alive 1 s after SIGKILL of the caller ({kind}, {method}): {alive}"
