@@ -108,6 +108,8 @@ class Process(mp_process.BaseProcess):
     ``fastspawn.set_start_method`` chose another), as
     ``multiprocessing.Process`` follows multiprocessing's default."""
 
+    _start_method = None  # the child keeps multiprocessing's default as the caller's
+
     @staticmethod
     def _Popen(process_obj: mp_process.BaseProcess) -> Popen:
         return DEFAULT.get_context().Process._Popen(process_obj)  # type: ignore[no-any-return]
