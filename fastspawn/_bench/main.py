@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastspawn._bench.common import SCHEMA_ID, RoundFailed, UsageError
 from fastspawn._bench.host import check_limits, machine
-from fastspawn._bench.options import Options, build_parser, import_all
+from fastspawn._bench.options import MP_FLAG, Options, build_parser, import_all
 from fastspawn._bench.progress import Progress, clock
 from fastspawn._bench.rounds import make_method, plan, summed_uss, sweep, warm_up
 from fastspawn._bench.session import Launched, Reports, Session
@@ -304,6 +304,10 @@ def run(
 
 def main(argv: Sequence[str]) -> int:
     """``fastspawn bench ARGS``; returns the exit status."""
+    if MP_FLAG in argv:  # a mode of its own, with its own options
+        from fastspawn._bench import mp_scenarios
+
+        return mp_scenarios.main([arg for arg in argv if arg != MP_FLAG])
     args = build_parser().parse_args(list(argv))
     children_before = _child_pids()
     live: list[Launched] = []

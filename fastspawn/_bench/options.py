@@ -205,9 +205,11 @@ examples:
   fastspawn bench --import torch --methods fastspawn-zygote-warm,mp-spawn,torch-spawn --nprocs 8
   fastspawn bench --methods fastspawn,mp,binary --nprocs 1,8,64 --repeat 3 --plot bench.png
   fastspawn bench --methods floor,fastspawn,mp --nprocs 8,64 --repeat 3
+  fastspawn bench --mp --quick
 """
 
 
+MP_FLAG = "--mp"
 DEFAULT_NPROCS = "1,8,64"
 QUICK_REPEAT = 3
 FULL_REPEAT = 5
@@ -223,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION.format(methods=methods),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        MP_FLAG,
+        action="store_true",
+        help="the other mode: multiprocessing contexts (fastspawn's and multiprocessing's) "
+        "in a torch DataLoader, a ProcessPoolExecutor and Process loops, torch imported; "
+        "its own options: fastspawn bench --mp --help",
     )
     parser.add_argument(
         "--methods",

@@ -25,7 +25,6 @@ from fastspawn._launch.methods.names import context_name
 from fastspawn._mp import child
 from fastspawn._os.oscall import wait_readable
 
-
 # At exit, multiprocessing's own end (its finalizers, a Manager's shutdown
 # among them; then daemonic processes terminated, the others joined) must
 # come before fastspawn's (fastspawn._launch.context), which waits for every

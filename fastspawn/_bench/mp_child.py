@@ -1,0 +1,178 @@
+"""The minimal main module of ``fastspawn bench --mp``: one context's
+measurements, in a fresh interpreter started as ``python -m`` on this module.
+
+Its top level is what a small DataLoader program's main module holds: torch
+and fastspawn imported, a Dataset and the workers' functions defined.
+multiprocessing's spawn and forkserver workers re-import the caller's main
+module (as ``__mp_main__``), and fastspawn's zygote imports it once, so each
+of them imports exactly this: torch, fastspawn, nothing of the bench.  The
+measuring code below runs only as ``__main__`` and imports what it needs
+inside the functions.
+
+Usage: ``python -m fastspawn._bench.mp_child CONTEXT CONFIG_JSON OUT_FILE``;
+``mp_scenarios`` starts it, reads OUT_FILE (JSON: the samples, in seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import fastspawn  # registers fastspawn's contexts with multiprocessing
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# The row measured without any context: a bare fork loop, an in-process loader.
+FLOOR_ROW = "floor"
+MP_PREFIX = "mp-"  # mp-<multiprocessing's method>; the others are fastspawn's names
+
+
+class Items(Dataset[torch.Tensor]):
+    """``n`` small items: item ``i`` is ``torch.tensor([i])``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def trivial(x: int = 0) -> int:
+    """What the pool's tasks and the processes run."""
+    return x
+
+
+def get_context(name: str) -> Any:
+    """multiprocessing's context for a row name: ``mp-fork`` is
+    multiprocessing's "fork"; fastspawn's names ("fastspawn",
+    "fastspawn-fork", ...) are multiprocessing's too once fastspawn is
+    imported."""
+    import multiprocessing
+
+    return multiprocessing.get_context(name.removeprefix(MP_PREFIX))
+
+
+def loader_epochs(ctx: Any, config: dict[str, int]) -> list[float]:
+    """Seconds per epoch of a non-persistent DataLoader (new workers every
+    epoch); ``ctx`` None: in this process (num_workers=0)."""
+    workers = config["workers"] if ctx is not None else 0
+    loader = DataLoader(
+        Items(config["items"]),
+        batch_size=config["batch"],
+        num_workers=workers,
+        multiprocessing_context=ctx,
+        persistent_workers=False,
+    )
+    expected = config["items"] * (config["items"] - 1) // 2
+    times = []
+    for _ in range(config["epochs"]):
+        t0 = time.perf_counter()
+        total = 0
+        for batch in loader:
+            total += int(batch.sum())
+        times.append(time.perf_counter() - t0)
+        if total != expected:
+            raise RuntimeError(f"an epoch summed to {total}, not {expected}")
+    return times
+
+
+def pool_runs(ctx: Any, config: dict[str, int]) -> list[float]:
+    """Seconds from a ProcessPoolExecutor's creation to its results in and
+    its shutdown done."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    results = config["pool_results"]
+    times = []
+    for _ in range(config["pool_repeats"]):
+        t0 = time.perf_counter()
+        with ProcessPoolExecutor(config["pool_workers"], mp_context=ctx) as pool:
+            got = list(pool.map(trivial, range(results)))
+        times.append(time.perf_counter() - t0)
+        if got != list(range(results)):
+            raise RuntimeError(f"the pool returned {got[:8]}...")
+    return times
+
+
+def process_loop(ctx: Any, n: int) -> list[float]:
+    """Seconds per ``ctx.Process(target=trivial)``: start, join, close."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        proc = ctx.Process(target=trivial)
+        proc.start()
+        proc.join()
+        times.append(time.perf_counter() - t0)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"a process exited with {proc.exitcode}")
+        proc.close()
+    return times
+
+
+def fork_loop(n: int) -> list[float]:
+    """The floor: seconds per bare ``os.fork()``, ``os._exit(0)`` in the
+    child, ``waitpid`` here, from this process (torch imported)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(name: str, config: dict[str, int]) -> dict[str, Any]:
+    """One context's samples: the loader's epochs (the first one cold: the
+    zygote or forkserver starts in it), the pool's runs, the processes."""
+    import gc
+    import sys
+
+    fastspawn.stop_zygote()  # none runs in a fresh process; cold whatever
+    ctx = None if name == FLOOR_ROW else get_context(name)
+    gc.collect()
+    epochs = loader_epochs(ctx, config)
+    gc.collect()
+    pool = pool_runs(ctx, config) if ctx is not None else []
+    gc.collect()
+    processes = (
+        fork_loop(config["process_n"]) if ctx is None else process_loop(ctx, config["process_n"])
+    )
+    return {
+        "context": name,
+        "start_method": None if ctx is None else ctx.get_start_method(),
+        "epochs_s": epochs,
+        "pool_s": pool,
+        "process_s": processes,
+        "torch": torch.__version__,
+        "torch_imported": "torch" in sys.modules,
+        "main_module": __spec__.name if __spec__ is not None else None,
+    }
+
+
+def main(argv: list[str]) -> int:
+    import json
+    import warnings
+
+    # torch's "this DataLoader will create 8 worker processes in total. Our
+    # suggested max number of worker in current system is 2": so it is.
+    warnings.filterwarnings("ignore", message=r".*worker processes in total")
+    name, config, out = argv
+    result = measure(name, json.loads(config))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
