@@ -301,6 +301,19 @@ def test_migration_page_is_all_python():
     assert len(blocks) >= 3 and all(language == "python" for language, _ in blocks)
 
 
+# -- the multiprocessing page ----------------------------------------------------
+
+MULTIPROCESSING = DOCS / "multiprocessing.md"
+
+
+@pytest.mark.parametrize("index", range(len(python_blocks(MULTIPROCESSING))))
+def test_multiprocessing_example_runs(index, tmp_path):
+    code = python_blocks(MULTIPROCESSING)[index]
+    if needs_torch(code):
+        pytest.importorskip("torch")
+    run_script(code, tmp_path)
+
+
 # -- the built site ------------------------------------------------------------
 
 
