@@ -702,12 +702,16 @@ def test_every_series_of_the_plot_has_its_own_colour_and_marker():
 def test_the_rank_module_imports_nothing_heavy():
     # Spawn-like ranks import the module of their fn: it must not make them
     # pay for the bench's own imports, nor for fastspawn's launching side.
+    # (multiprocessing's context module they load anyway, for their
+    # payload; importing fastspawn registers its contexts there.)
     assert bench_ranks.rank_main.__module__ == "fastspawn._bench.ranks"
     code = (
         "import sys, fastspawn._bench.ranks; "
         "print(sorted({'argparse', 'json', 'dataclasses', 'psutil', 'tempfile', 'subprocess', "
-        "'fastspawn._launch', 'fastspawn._bench.main', 'fastspawn._bench.session', "
-        "'fastspawn._bench.methods', 'multiprocessing'} & set(sys.modules)))"
+        "'fastspawn._launch.api', 'fastspawn._launch.methods.registry', "
+        "'fastspawn._launch.context', 'fastspawn._bench.main', 'fastspawn._bench.session', "
+        "'fastspawn._bench.methods', 'multiprocessing.pool', 'multiprocessing.managers'} "
+        "& set(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
