@@ -1,11 +1,13 @@
 """Orphans of multiprocessing's objects on fastspawn's contexts: SIGKILL of
-the caller leaves no Pool worker, executor worker, DataLoader worker (one
+the caller (or of the zygote, whose children the workers are) leaves no Pool worker, executor worker, DataLoader worker (one
 blocked in a dataset call, one blocked writing to a full pipe) or
 ``ctx.Process`` child, nor any of their own children, 1 s later; on every
 method the contexts offer."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,11 +95,16 @@ if __name__ == "__main__":
         time.sleep(0.05)
     pids = [int(pid) for path in FOLDER.iterdir() for pid in path.name.split("-")]
     print(" ".join(map(str, pids)), flush=True)
+    from fastspawn._zygote import client
+
+    print(client.zygote_pid() or 0, flush=True)
     time.sleep(600)
 """
 
 
-def _driver(tmp_path: Path, kind: str, method: str) -> tuple[subprocess.Popen[str], list[int]]:
+def _driver(tmp_path: Path, kind: str, method: str) -> tuple[subprocess.Popen[str], list[int], int]:
+    """The driver running ``kind`` on ``method``'s context: (driver, the pids
+    of its 2 workers and their children, the zygote's pid or 0)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     folder = tmp_path / "pids"
@@ -110,7 +117,8 @@ def _driver(tmp_path: Path, kind: str, method: str) -> tuple[subprocess.Popen[st
     )
     assert driver.stdout is not None
     pids = [int(word) for word in driver.stdout.readline().split()]
-    return driver, pids
+    zygote = int(driver.stdout.readline() or 0)
+    return driver, pids, zygote
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -120,7 +128,7 @@ def _driver(tmp_path: Path, kind: str, method: str) -> tuple[subprocess.Popen[st
 def test_sigkill_of_caller_leaves_no_worker_nor_its_child(tmp_path, kind, method):
     if kind.startswith("dataloader"):
         pytest.importorskip("torch")
-    driver, pids = _driver(tmp_path, kind, method)
+    driver, pids, _zygote = _driver(tmp_path, kind, method)
     try:
         assert len(pids) == 4, f"the driver did not report 2 workers and their children: {pids}"
         assert not any(gone(pid) for pid in pids), "a worker or its child ended before the kill"
@@ -130,3 +138,19 @@ def test_sigkill_of_caller_leaves_no_worker_nor_its_child(tmp_path, kind, method
         kill_driver(driver)
     alive = alive_after(pids)
     assert alive == [], f"alive 1 s after SIGKILL of the caller ({kind}, {method}): {alive}"
+
+
+@pytest.mark.parametrize("method", ["fastspawn", "fastspawn-forkserver"])
+@pytest.mark.parametrize("kind", ["process", "pool"])
+def test_sigkill_of_zygote_leaves_no_worker_nor_its_child(tmp_path, kind, method):
+    """The workers are the zygote's children: they, and theirs, go with it
+    (a Pool then starts new ones, from a new zygote)."""
+    driver, pids, zygote = _driver(tmp_path, kind, method)
+    try:
+        assert len(pids) == 4 and zygote, (pids, zygote)
+        assert not any(gone(pid) for pid in pids), "a worker or its child ended before the kill"
+        os.kill(zygote, signal.SIGKILL)
+        alive = alive_after(pids)
+        assert alive == [], f"alive 1 s after SIGKILL of the zygote ({kind}, {method}): {alive}"
+    finally:
+        kill_driver(driver)
