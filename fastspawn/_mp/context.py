@@ -127,6 +127,27 @@ class DefaultContext(mp_context.DefaultContext):
     Process = Process  # type: ignore[assignment]
 
     def get_context(self, method: str | None = None) -> Any:
+        """``fastspawn.get_context()``: a multiprocessing context whose
+        processes fastspawn starts, for whatever takes one
+        (``DataLoader(multiprocessing_context=...)``,
+        ``ProcessPoolExecutor(mp_context=...)``), or to make a Pool, a
+        Manager, queues and locks from.
+
+        Args:
+            method: None for the default (the zygote's, "fastspawn", unless
+                ``fastspawn.set_start_method`` chose another); a fastspawn
+                start method ("zygote", "spawn", "fork", "forkserver") or its
+                context's name ("fastspawn", "fastspawn-spawn", ...).
+
+        Returns:
+            A ``multiprocessing.context.BaseContext``; its
+            ``get_start_method()`` is the context's name, which
+            ``multiprocessing.get_context`` and
+            ``multiprocessing.set_start_method`` take too.
+
+        Raises:
+            ValueError: an unknown method; the message lists the valid ones.
+        """
         if method is None:
             if self._actual_context is None:  # type: ignore[has-type]
                 self._actual_context = self._default_context  # type: ignore[attr-defined]
