@@ -43,8 +43,25 @@ def run(rank: int, process_obj: mp_process.BaseProcess, prepared: dict[str, Any]
             util.log_to_stderr()
         if prepared["log_level"] is not None:
             util.get_logger().setLevel(prepared["log_level"])
+    if "main" in prepared:
+        _define_in_main(prepared["main"])
     code = process_obj._bootstrap(parent_sentinel=_parent_sentinel(process_obj._parent_pid))  # type: ignore[attr-defined]
     raise SystemExit(code)
+
+
+def _define_in_main(definitions: dict[str, bytes]) -> None:
+    """Put the caller's ``__main__`` functions and classes (see
+    fastspawn._mp.popen.main_definitions) in this process's ``__main__``;
+    one that cannot be unpickled here is left out."""
+    import pickle
+    import sys
+
+    main = sys.modules["__main__"]
+    for name, data in definitions.items():
+        try:
+            setattr(main, name, pickle.loads(data))
+        except Exception:  # whatever unpickling raises: a task naming it fails
+            pass
 
 
 def _parent_sentinel(caller: int) -> int:

@@ -59,13 +59,14 @@ class FastspawnContext(mp_context.BaseContext):
         self.Process = _process_class(method)
 
     def get_context(self, method: str | None = None) -> Any:
-        """This context (None), or the one called ``method``: fastspawn's
-        ("fastspawn", "spawn", ...), else multiprocessing's ("fork")."""
-        if method is None:
-            return self
-        if method in CONTEXTS or method in names.BUILTIN:
-            return context_for(method)
-        return super().get_context(method)
+        """This context (None), or fastspawn's called ``method`` (see
+        ``fastspawn.get_context``), as multiprocessing's contexts give one
+        another.
+
+        Raises:
+            ValueError: an unknown method; the message lists the valid ones.
+        """
+        return self if method is None else context_for(method)
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return context_for, (self._name,)

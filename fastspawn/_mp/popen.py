@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from multiprocessing import process as mp_process
 from multiprocessing import util
@@ -24,6 +25,7 @@ from fastspawn._launch.methods.base import LaunchRequest
 from fastspawn._launch.methods.names import context_name
 from fastspawn._mp import child
 from fastspawn._os.oscall import wait_readable
+from fastspawn._wire import pickling
 
 # At exit, multiprocessing's own end (its finalizers, a Manager's shutdown
 # among them; then daemonic processes terminated, the others joined) must
@@ -32,6 +34,32 @@ from fastspawn._os.oscall import wait_readable
 # the zygote.  Registered after fastspawn's, it runs first; its second run,
 # multiprocessing's own registration, does nothing.
 atexit.register(util._exit_function)  # type: ignore[attr-defined]
+
+
+def main_definitions() -> dict[str, bytes]:
+    """The functions and classes a ``__main__`` without a file defines (a
+    notebook's, ``python -c``'s), each pickled by value: the process puts
+    them in its own ``__main__``, where what multiprocessing's own queues
+    send by name (a Pool's task, an executor's) is then found.  One that
+    cannot travel (or carries an fd) is left out: a task naming it fails
+    there as it would under spawn."""
+    import types
+
+    main = sys.modules.get("__main__")
+    found: dict[str, bytes] = {}
+    for name, obj in list(vars(main).items()) if main is not None else []:
+        if name.startswith("__") or not isinstance(obj, (types.FunctionType, type)):
+            continue
+        if getattr(obj, "__module__", None) != "__main__":
+            continue
+        collector = pickling.FdCollector()
+        try:
+            data = pickling.dumps([obj], collector)
+        except Exception:  # whatever pickling raises: it stays behind
+            continue
+        if not collector.fds:
+            found[name] = data
+    return found
 
 
 class Popen:
@@ -53,9 +81,12 @@ class Popen:
         self.returncode: int | None = None
         self.finalizer: util.Finalize | None = None
         self._lock = threading.Lock()  # one thread collects the status
+        prepared = child.preparation()
+        if not pickling.main_is_importable():
+            prepared["main"] = main_definitions()
         request = LaunchRequest(
             fn=child.run,
-            args=(process_obj, child.preparation()),
+            args=(process_obj, prepared),
             nprocs=1,
             daemon=bool(process_obj.daemon),
             method=registry.get(method),
