@@ -1,0 +1,143 @@
+"""Targets for the multiprocessing-context tests (test_mp_context): module
+level, so every start method can pickle them by reference."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+# A lambda at module level: importable module, but pickle cannot find it by
+# its qualified name ("<lambda>"), as with any lambda under spawn.
+UNPICKLABLE = lambda: None  # noqa: E731
+
+
+def noop(*args: Any) -> None:
+    pass
+
+
+def exit_with(code: int) -> None:
+    sys.exit(code)
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def signal_then_sleep(event: Any, seconds: float = 60.0) -> None:
+    """Set ``event`` (the process is running its target), then sleep."""
+    event.set()
+    time.sleep(seconds)
+
+
+def report_self(queue: Any) -> None:
+    """Put what the process knows of itself: its pid, its parent's pid (as
+    multiprocessing.parent_process() says), its name, its daemon flag, and
+    multiprocessing's start method."""
+    me = multiprocessing.current_process()
+    parent = multiprocessing.parent_process()
+    queue.put(
+        (
+            os.getpid(),
+            None if parent is None else parent.pid,
+            me.name,
+            me.daemon,
+            multiprocessing.get_start_method(allow_none=True),
+        )
+    )
+
+
+def use_shared_state(
+    queue: Any,
+    conn: Any,
+    lock: Any,
+    event: Any,
+    value: Any,
+    array: Any,
+    barrier: Any,
+) -> None:
+    """Touch each of the shared objects so the parent can see it: a Queue
+    item, a Pipe message (and the parent's reply echoed), a Value and an
+    Array changed under the Lock, an Event set, the Barrier passed."""
+    queue.put("from child")
+    conn.send(("hello", os.getpid()))
+    conn.send(("echo", conn.recv()))
+    conn.close()
+    with lock:
+        value.value += 41
+        for i in range(len(array)):
+            array[i] = array[i] * 2
+    barrier.wait(timeout=60)
+    event.set()
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail_on(x: int, bad: int) -> int:
+    if x == bad:
+        raise ValueError(f"task {x} failed on purpose")
+    return x
+
+
+def getpid(_: Any = None) -> int:
+    return os.getpid()
+
+
+def exit_abruptly(_: Any = None) -> None:
+    os._exit(7)
+
+
+def kill_self(_: Any = None) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fill_manager(shared: dict, items: list, lock: Any) -> None:
+    """Change a Manager's dict and list proxies under its Lock proxy."""
+    with lock:
+        shared["child"] = os.getpid()
+        shared["count"] += 1
+        items.append("child")
+
+
+def add_to_tensor(tensor: Any, amount: float) -> None:
+    """Hogwild style: change a shared tensor in place."""
+    tensor.add_(amount)
+
+
+def record_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: note the worker id in the environment,
+    where the dataset reads it back."""
+    os.environ["MP_TARGETS_WORKER"] = str(worker_id)
+
+
+class SquaresDataset:
+    """A map-style dataset of ``size`` items: (i, i*i, the worker_init_fn's
+    worker id seen by the worker); torch's Dataset protocol without
+    importing torch here."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        return index, index * index, int(os.environ.get("MP_TARGETS_WORKER", "-1"))
+
+
+class FailingDataset(SquaresDataset):
+    """Raises on item ``bad``."""
+
+    def __init__(self, size: int, bad: int) -> None:
+        super().__init__(size)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        if index == self.bad:
+            raise ValueError(f"item {index} is broken on purpose")
+        return super().__getitem__(index)
