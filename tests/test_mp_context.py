@@ -664,3 +664,47 @@ def test_executor_task_of_dash_c_code(name):
     result = run_dash_c(name, "executor")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["executor [0, 3, 6, 9]"], result.stderr
+
+
+# --- the program's exit ---------------------------------------------------------
+
+AT_EXIT = """
+import multiprocessing, sys, time
+import fastspawn
+
+def slow(path):
+    time.sleep(0.5)
+    open(path, "w").write("done")
+
+def forever():
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = fastspawn.get_context(sys.argv[1])
+    manager = ctx.Manager()          # never shut down
+    shared = manager.dict(a=1)
+    ctx.Process(target=slow, args=(sys.argv[2],)).start()   # never joined
+    ctx.Process(target=forever, daemon=True).start()
+    pool = ctx.Pool(2)               # never closed
+    print(pool.map(abs, [-1, -2]), dict(shared), flush=True)
+"""
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_exit_ends_what_multiprocessing_ends(name, tmp_path):
+    """At exit, as under multiprocessing: a Manager never shut down is
+    stopped, a process never joined is waited for, a daemonic one is
+    terminated, a Pool never closed is stopped; the program exits 0."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(AT_EXIT)
+    done_file = tmp_path / "done"
+    result = subprocess.run(
+        [sys.executable, str(script), name, str(done_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[1, 2] {'a': 1}"], result.stderr
+    assert done_file.read_text() == "done"
