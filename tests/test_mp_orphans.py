@@ -1,7 +1,8 @@
 """Orphans of multiprocessing's objects on fastspawn's contexts: SIGKILL of
-the caller (or of the zygote, whose children the workers are) leaves no Pool worker, executor worker, DataLoader worker (one
-blocked in a dataset call, one blocked writing to a full pipe) or
-``ctx.Process`` child, nor any of their own children, 1 s later; on every
+the caller (or of the zygote, whose children the workers are) leaves no
+Pool worker, executor worker, DataLoader worker (one blocked in a dataset
+call, one blocked writing to a full pipe) or ``ctx.Process`` child (nor a
+Process it started), nor any of their own children, 1 s later; on every
 method the contexts offer."""
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def block(_item=None):
     time.sleep(600)
 
 
+def nest(_item=None):
+    import multiprocessing
+
+    grandchild = multiprocessing.Process(target=block)  # the context the caller's was
+    grandchild.start()
+    (FOLDER / f"{os.getpid()}-{grandchild.pid}").touch()
+    time.sleep(600)
+
+
 def flood(_item=None):
     return b"x" * (1 << 20)  # a worker blocks writing these to the full pipe
 
@@ -60,8 +70,8 @@ class Flooding:
 
 
 def start(kind, ctx):
-    if kind == "process":
-        procs = [ctx.Process(target=block) for _ in range(WORKERS)]
+    if kind in ("process", "nested"):
+        procs = [ctx.Process(target=block if kind == "process" else nest) for _ in range(WORKERS)]
         for proc in procs:
             proc.start()
         return procs
@@ -90,10 +100,11 @@ def start(kind, ctx):
 if __name__ == "__main__":
     kind, method = sys.argv[1], sys.argv[2]
     keep = start(kind, fastspawn.get_context(method))
+    files = 2 * WORKERS if kind == "nested" else WORKERS
     deadline = time.monotonic() + 120
-    while len(list(FOLDER.iterdir())) < WORKERS and time.monotonic() < deadline:
+    while len(list(FOLDER.iterdir())) < files and time.monotonic() < deadline:
         time.sleep(0.05)
-    pids = [int(pid) for path in FOLDER.iterdir() for pid in path.name.split("-")]
+    pids = sorted({int(pid) for path in FOLDER.iterdir() for pid in path.name.split("-")})
     print(" ".join(map(str, pids)), flush=True)
     from fastspawn._zygote import client
 
@@ -123,14 +134,17 @@ def _driver(tmp_path: Path, kind: str, method: str) -> tuple[subprocess.Popen[st
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
-    "kind", ["process", "pool", "executor", "dataloader", "dataloader-full-pipe"]
+    "kind", ["process", "nested", "pool", "executor", "dataloader", "dataloader-full-pipe"]
 )
 def test_sigkill_of_caller_leaves_no_worker_nor_its_child(tmp_path, kind, method):
+    """("nested": each worker is a Process that started a Process of its
+    own, which started the sleep: 3 levels.)"""
     if kind.startswith("dataloader"):
         pytest.importorskip("torch")
     driver, pids, _zygote = _driver(tmp_path, kind, method)
+    expected = 6 if kind == "nested" else 4
     try:
-        assert len(pids) == 4, f"the driver did not report 2 workers and their children: {pids}"
+        assert len(pids) == expected, f"the driver did not report every process: {pids}"
         assert not any(gone(pid) for pid in pids), "a worker or its child ended before the kill"
         if kind == "dataloader-full-pipe":
             time.sleep(0.5)  # the workers fill the pipe and block on it
