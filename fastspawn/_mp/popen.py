@@ -20,7 +20,7 @@ from multiprocessing import process as mp_process
 from multiprocessing import util
 
 from fastspawn._launch.api import launch_context
-from fastspawn._launch.methods import registry
+from fastspawn._launch.methods import common, registry
 from fastspawn._launch.methods.base import LaunchRequest
 from fastspawn._launch.methods.names import context_name
 from fastspawn._mp import child
@@ -84,12 +84,19 @@ class Popen:
         prepared = child.preparation()
         if not pickling.main_is_importable():
             prepared["main"] = main_definitions()
+        # A terminal's foreground job keeps its processes in its own group,
+        # as multiprocessing's are: Ctrl-C reaches them too, and a process
+        # it does not stop would be waited for at exit.  (fork and spawn
+        # decide that themselves; the zygote is asked to.)
+        foreground = common.foreground_on_a_terminal()
         request = LaunchRequest(
             fn=child.run,
             args=(process_obj, prepared),
             nprocs=1,
             daemon=bool(process_obj.daemon),
             method=registry.get(method),
+            process_group=not foreground,
+            caller_group=foreground,
         )
         self._context = launch_context(request)
         self._process = self._context.processes[0]

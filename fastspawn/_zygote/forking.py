@@ -75,7 +75,11 @@ class Forker:
             if group:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
             loop = oscall.ForkLoop(
-                header.nprocs, self.me, group, signal.SIGKILL, () if unlent else ZYGOTE_SIGNALS
+                header.nprocs,
+                self.me,
+                group or header.join_group,
+                signal.SIGKILL,
+                () if unlent else ZYGOTE_SIGNALS,
             )
             while loop.next < header.nprocs:
                 first = loop.next

@@ -95,6 +95,9 @@ class LaunchHeader:
             unpickling, as a spawned interpreter would have them.
         envs: ``{rank: {VAR: value}}``, applied in each rank.
         process_group: put the workers in a process group of their own.
+        join_group: without process_group, the group the workers join (the
+            caller's, when it is the foreground job of a terminal: its
+            Ctrl-C then reaches them); 0: they stay in the zygote's.
         process_state: the caller's umask, affinity, nice value and limits
             that differ from the zygote's (see fastspawn._os.procstate).
         tracker_index: which of the user fds is the caller's resource
@@ -129,6 +132,7 @@ class LaunchHeader:
         "binary",
         "line_buffered",
         "stacks",
+        "join_group",
     )
 
     def __init__(
@@ -150,6 +154,7 @@ class LaunchHeader:
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
         line_buffered: bool = False,
         stacks: bool = True,
+        join_group: int = 0,
     ) -> None:
         self.nprocs = int(nprocs)
         self.daemon = bool(daemon)
@@ -171,6 +176,7 @@ class LaunchHeader:
         )
         self.line_buffered = bool(line_buffered)
         self.stacks = bool(stacks)
+        self.join_group = 0 if self.process_group else int(join_group)
 
     def __repr__(self) -> str:
         return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"

@@ -34,6 +34,7 @@ class LaunchRequest:
         keep_stdin: bool = False,
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
         stacks: bool = True,
+        caller_group: bool = False,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -58,6 +59,10 @@ class LaunchRequest:
         # zygote: put the launch's workers in a process group of their own
         # (binary ranks lead a session each instead).
         self.process_group = process_group
+        # zygote, without process_group: the workers join the caller's
+        # process group (a terminal's Ctrl-C then reaches them, as it
+        # reaches multiprocessing's).
+        self.caller_group = caller_group
         # The process group of the workers (0: none), and while the ranks
         # join it in a fork or spawn launch, its anchor (see
         # common.new_group).

@@ -106,6 +106,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient:
         binary=req.binary,
         line_buffered=worker_stdio.stdout_shows_lines(),
         stacks=req.stacks,
+        join_group=os.getpgrp() if req.caller_group else 0,
     )
     payload_fd = -1
     try:
