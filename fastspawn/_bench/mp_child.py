@@ -32,7 +32,9 @@ FLOOR_ROW = "floor"
 MP_PREFIX = "mp-"  # mp-<multiprocessing's method>; the others are fastspawn's names
 
 
-class Items(Dataset[torch.Tensor]):
+# Without torch installed (the type check's first pass), Dataset is Any to
+# mypy, and subclassing Any is an error there; with it, the ignore is unused.
+class Items(Dataset[torch.Tensor]):  # type: ignore[misc,unused-ignore]
     """``n`` small items: item ``i`` is ``torch.tensor([i])``."""
 
     def __init__(self, n: int) -> None:
