@@ -282,14 +282,19 @@ def run_script(code: str, tmp_path: Path) -> None:
     assert done.returncode == 0, f"exited {done.returncode}:\n{done.stdout}{done.stderr}"
 
 
-# -- the migration page --------------------------------------------------------
+# -- the pages whose examples run --------------------------------------------------
 
 MIGRATING = DOCS / "migrating.md"
+MULTIPROCESSING = DOCS / "multiprocessing.md"
+EXAMPLE_PAGES = {page.name: page for page in (MIGRATING, MULTIPROCESSING)}
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks(MIGRATING))))
-def test_migration_example_runs(index, tmp_path):
-    code = python_blocks(MIGRATING)[index]
+@pytest.mark.parametrize(
+    "page, index",
+    [(name, i) for name, page in EXAMPLE_PAGES.items() for i in range(len(python_blocks(page)))],
+)
+def test_page_example_runs(page, index, tmp_path):
+    code = python_blocks(EXAMPLE_PAGES[page])[index]
     if needs_torch(code):
         pytest.importorskip("torch.distributed")
     run_script(code, tmp_path)
@@ -299,19 +304,6 @@ def test_migration_page_is_all_python():
     """Every code block of the page is one the test above runs."""
     blocks = fenced_blocks(MIGRATING.read_text())
     assert len(blocks) >= 3 and all(language == "python" for language, _ in blocks)
-
-
-# -- the multiprocessing page ----------------------------------------------------
-
-MULTIPROCESSING = DOCS / "multiprocessing.md"
-
-
-@pytest.mark.parametrize("index", range(len(python_blocks(MULTIPROCESSING))))
-def test_multiprocessing_example_runs(index, tmp_path):
-    code = python_blocks(MULTIPROCESSING)[index]
-    if needs_torch(code):
-        pytest.importorskip("torch")
-    run_script(code, tmp_path)
 
 
 # -- the built site ------------------------------------------------------------
