@@ -371,6 +371,7 @@ def test_executor_worker_death_breaks_the_pool(ctx, death):
         executor.shutdown(wait=True)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="max_tasks_per_child is new in 3.11")
 def test_executor_max_tasks_per_child(ctx):
     """max_tasks_per_child=1: each task runs in a new worker.  (One worker:
     CPython 3.11 can hang with more, for multiprocessing's own contexts.)"""
