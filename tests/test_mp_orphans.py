@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 from helpers import alive_after, gone, kill_driver
 
+# The kill chain is the kernel's and fastspawn's, the same under every
+# CPython: CI runs these (about 70 s) on one version (.ci/run).
+pytestmark = pytest.mark.version_neutral
+
 METHODS = ["fastspawn", "fastspawn-fork", "fastspawn-spawn", "fastspawn-forkserver"]
 
 # The caller: starts `WORKERS` workers of one kind, each of which starts a
