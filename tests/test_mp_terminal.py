@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import alive_after
 
+# CI runs these on one Python version (.ci/run): the 30-minute budget.
+pytestmark = pytest.mark.version_neutral
+
 METHODS = ["fastspawn", "fastspawn-fork", "fastspawn-spawn", "fastspawn-forkserver"]
 
 # The caller: one Process, which starts a sleep and records
