@@ -8,9 +8,8 @@ The tests are installed at import, as in CPython's own modules: the
 processes import this module as their main module, and find the test
 classes there; the method comes in the environment, which they inherit.
 
-One test is skipped, for a decided difference: fastspawn's orphan safety
-reaches every level (docs/multiprocessing.md, "Orphans"); and with the fork
-context, one that CPython skips for "fork" (its name is another here).
+With the fork context one test is skipped, one that CPython skips for
+"fork" (its name is another here).
 """
 
 from __future__ import annotations
@@ -29,11 +28,7 @@ if METHOD not in fastspawn.get_all_start_methods():
         f"FASTSPAWN_SUITE_METHOD={METHOD!r}: one of {fastspawn.get_all_start_methods()}"
     )
 
-SKIP = {
-    # It terminates a child and expects the child's own child to see that
-    # and report it; under fastspawn that grandchild dies with its parent.
-    "test_parent_process": "fastspawn: a process's children die with it (orphan safety)",
-}
+SKIP: dict[str, str] = {}
 
 if METHOD == "fastspawn-fork":
     # A forked child inherits the caller's fds, those of the processes it

@@ -50,6 +50,26 @@ def report_self(queue: Any) -> None:
     )
 
 
+def start_a_process(context: str, queue: Any) -> None:
+    """Start a process of ``context`` that reports on its parent (this
+    process), put its pid, then wait to be terminated."""
+    process = multiprocessing.get_context(context).Process(target=report_parent, args=(queue,))
+    process.start()
+    queue.put(("started", process.pid))
+    time.sleep(120)
+
+
+def report_parent(queue: Any) -> None:
+    """Put this process's pid, its os.getppid(), and parent_process()'s pid
+    and liveness; once that parent is gone (60 s at most), its liveness
+    again."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    queue.put((os.getpid(), os.getppid(), parent.pid, parent.is_alive()))
+    parent.join(60)
+    queue.put(("parent alive", parent.is_alive()))
+
+
 def use_shared_state(
     queue: Any,
     conn: Any,

@@ -226,6 +226,39 @@ def test_child_knows_itself_and_its_parent(ctx, daemon):
     queue.join_thread()
 
 
+def test_process_started_by_a_process(ctx):
+    """A Process that starts one of its own: parent_process() there is that
+    Process, and the grandchild outlives it, as under multiprocessing,
+    seeing it gone.  With the zygote's contexts the grandchild comes from
+    the caller's zygote (the child starts no zygote of its own); with fork
+    and spawn it is the child's own child."""
+    from fastspawn._zygote import client
+
+    name = ctx.get_start_method()
+    queue = ctx.Queue()
+    child = ctx.Process(target=mp_targets.start_a_process, args=(name, queue))
+    child.start()
+    # The two first reports, in whichever order they came.
+    first, second = sorted((queue.get(timeout=DEADLINE) for _ in range(2)), key=len)
+    started, grandchild = first
+    assert started == "started"
+    pid, ppid, parent, parent_alive = second
+    assert (pid, parent, parent_alive) == (grandchild, child.pid, True)
+    from_zygote = name in ("fastspawn", "fastspawn-forkserver")
+    assert ppid == (client.zygote_pid() if from_zygote else child.pid)
+    child.terminate()
+    child.join(DEADLINE)
+    assert child.exitcode == -signal.SIGTERM
+    assert queue.get(timeout=DEADLINE) == ("parent alive", False)
+    deadline = time.monotonic() + DEADLINE
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone(grandchild)
+    child.close()
+    queue.close()
+    queue.join_thread()
+
+
 def test_default_process_name(ctx):
     """An unnamed process is called after its class, as multiprocessing's."""
     process = ctx.Process(target=mp_targets.noop)

@@ -3,7 +3,9 @@ the caller (or of the zygote, whose children the workers are) leaves no
 Pool worker, executor worker, DataLoader worker (one blocked in a dataset
 call, one blocked writing to a full pipe) or ``ctx.Process`` child (nor a
 Process it started), nor any of their own children, 1 s later; on every
-method the contexts offer."""
+method the contexts offer.  While the caller lives, a Process that ended
+leaves its own processes running on the zygote's contexts, as
+multiprocessing does."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ METHODS = ["fastspawn", "fastspawn-fork", "fastspawn-spawn", "fastspawn-forkserv
 # `sleep` of its own and records "worker-pid child-pid" as a file in the
 # folder, then blocks; the caller prints every pid and waits to be killed.
 DRIVER = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
 from pathlib import Path
 import fastspawn
 
@@ -48,6 +50,18 @@ def nest(_item=None):
     grandchild.start()
     (FOLDER / f"{os.getpid()}-{grandchild.pid}").touch()
     time.sleep(600)
+
+
+def start_and_end(_item=None):
+    import multiprocessing
+
+    grandchild = multiprocessing.Process(target=block)  # the context the caller's was
+    grandchild.start()
+    child = subprocess.Popen(["sleep", "600"])
+    (FOLDER / f"{grandchild.pid}-{child.pid}.own").touch()  # .own: not block()'s name
+    while len([p for p in FOLDER.iterdir() if p.name.startswith(f"{grandchild.pid}-")]) < 2:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)  # ends as Process.terminate() ends it
 
 
 def flood(_item=None):
@@ -74,8 +88,9 @@ class Flooding:
 
 
 def start(kind, ctx):
-    if kind in ("process", "nested"):
-        procs = [ctx.Process(target=block if kind == "process" else nest) for _ in range(WORKERS)]
+    if kind in ("process", "nested", "parent-ended"):
+        target = {"process": block, "nested": nest, "parent-ended": start_and_end}[kind]
+        procs = [ctx.Process(target=target) for _ in range(WORKERS)]
         for proc in procs:
             proc.start()
         return procs
@@ -104,11 +119,15 @@ def start(kind, ctx):
 if __name__ == "__main__":
     kind, method = sys.argv[1], sys.argv[2]
     keep = start(kind, fastspawn.get_context(method))
-    files = 2 * WORKERS if kind == "nested" else WORKERS
+    files = 2 * WORKERS if kind in ("nested", "parent-ended") else WORKERS
     deadline = time.monotonic() + 120
     while len(list(FOLDER.iterdir())) < files and time.monotonic() < deadline:
         time.sleep(0.05)
-    pids = sorted({int(pid) for path in FOLDER.iterdir() for pid in path.name.split("-")})
+    if kind == "parent-ended":
+        for proc in keep:
+            proc.join(60)
+            assert proc.exitcode == -signal.SIGTERM, proc
+    pids = sorted({int(pid) for path in FOLDER.iterdir() for pid in path.stem.split("-")})
     print(" ".join(map(str, pids)), flush=True)
     from fastspawn._zygote import client
 
@@ -172,3 +191,23 @@ def test_sigkill_of_zygote_leaves_no_worker_nor_its_child(tmp_path, kind, method
         assert alive == [], f"alive 1 s after SIGKILL of the zygote ({kind}, {method}): {alive}"
     finally:
         kill_driver(driver)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_processes_of_an_ended_process_live_while_the_caller_does(tmp_path, method):
+    """Each worker starts a Process and a `sleep`, then dies of SIGTERM: as
+    under multiprocessing, both outlive it while the caller lives (with the
+    zygote's contexts the Process comes from the zygote, and the sleep is an
+    orphan the zygote keeps; with fork and spawn both stay in the worker's
+    process group, which the caller's warden watches until it is empty).
+    SIGKILL of the caller then leaves none of them, 1 s later."""
+    driver, pids, _zygote = _driver(tmp_path, "parent-ended", method)
+    try:
+        assert len(pids) == 6, f"the driver did not report every process: {pids}"
+        time.sleep(1.0)  # as long as a kill is given to land, below
+        dead = sorted(pid for pid in pids if gone(pid))
+        assert dead == [], f"killed while the caller lives ({method}): {dead}"
+    finally:
+        kill_driver(driver)
+    alive = alive_after(pids)
+    assert alive == [], f"alive 1 s after SIGKILL of the caller ({method}): {alive}"

@@ -554,13 +554,22 @@ def print_marker(rank: int, marker: str) -> None:
 
 
 def inheritable_sockets(rank: int) -> list[int]:
-    """The socket fds this worker's children would inherit."""
+    """The unnamed socket fds this worker's children would inherit: a
+    report channel would be one (fastspawn's channels are socketpairs).  A
+    socket connected to a named one is another library's (torch's
+    shared-memory manager client, in a process that shared a tensor with
+    the file_system strategy, inheritable as torch opens it)."""
+    import socket
+
     found = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
             if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") and os.get_inheritable(fd):
-                found.append(fd)
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    named = sock.family == socket.AF_UNIX and sock.getpeername() not in ("", b"")
+                if not named:
+                    found.append(fd)
         except OSError:
             pass
     return found

@@ -164,6 +164,9 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
                 tx.close()
         with oscall.held_signals():  # the workers pass to the context whole
             reaped_here = request.method.caller_reaps
+            # A multiprocessing process's group outlives it, with what it
+            # started (see helpers.linger_groups): not the context's to drop.
+            lingering = request.mp_process and reaped_here
             processes = [
                 Process(rank, pid, pidfd, receiver, reaped_here)
                 for rank, (pid, pidfd) in enumerate(started)
@@ -173,9 +176,11 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
                 receiver,
                 daemon=request.daemon,
                 group=request.group,
-                watched_groups=request.watched_groups,
+                watched_groups=() if lingering else request.watched_groups,
                 stacks=request.stacks,
             )
+            if lingering:
+                helpers.linger_groups(request.watched_groups)
         while join and not context.join():
             pass
         return context

@@ -12,6 +12,12 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
+# This process was started by fastspawn's fork or spawn context into a
+# process group that the warden of the program's first process watches:
+# the processes it starts with those contexts stay in that group, not bound
+# to this process (see fastspawn._mp.popen.Popen).
+in_watched_group = False
+
 
 def preparation() -> dict[str, Any]:
     """What of the caller's multiprocessing state the process takes on, as
@@ -32,6 +38,8 @@ def run(rank: int, process_obj: mp_process.BaseProcess, prepared: dict[str, Any]
     after taking on the caller's ``preparation()``.  (fastspawn's contexts
     are registered by name here: importing this module imported
     ``fastspawn``.)"""
+    global in_watched_group
+    in_watched_group = prepared["in_watched_group"]
     start_method = prepared["start_method"]
     known = mp_context._concrete_contexts  # type: ignore[attr-defined]
     if start_method is not None and start_method in known:

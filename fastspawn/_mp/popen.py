@@ -89,14 +89,25 @@ class Popen:
         # it does not stop would be waited for at exit.  (fork and spawn
         # decide that themselves; the zygote is asked to.)
         foreground = common.foreground_on_a_terminal()
+        start_method = registry.get(method)
+        # A process started with fork or spawn is the caller's child, bound
+        # to it (PR_SET_PDEATHSIG), in a process group the caller's warden
+        # watches until it is empty.  Its own processes must outlive it, as
+        # multiprocessing's do: they stay in that group, unbound, and die
+        # with the program's first process.  (The zygote's come from the
+        # zygote, through the caller's link: fastspawn._zygote.link.)
+        outlive = start_method.caller_reaps and child.in_watched_group
+        prepared["in_watched_group"] = start_method.caller_reaps and (outlive or not foreground)
         request = LaunchRequest(
             fn=child.run,
             args=(process_obj, prepared),
             nprocs=1,
             daemon=bool(process_obj.daemon),
-            method=registry.get(method),
+            method=start_method,
             process_group=not foreground,
             caller_group=foreground,
+            mp_process=True,
+            outlive_caller=outlive,
         )
         self._context = launch_context(request)
         self._process = self._context.processes[0]

@@ -71,6 +71,9 @@ _warden_handle: Warden | None = None
 # should we die.  Reentrant: a finalizer that ends a context may run (in a
 # garbage collection) while this thread holds it.
 _watched: set[int] = set()
+# Those of them the warden keeps until they are empty (see linger), dropped
+# from the record once found empty.
+_lingering: set[int] = set()
 _lock = threading.RLock()
 
 
@@ -79,11 +82,12 @@ def watch_group(group: int) -> None:
     on first use (or again, with every group, should it have died)."""
     global _warden_handle
     with _lock:
+        words = [f"-{gone}" for gone in _prune_lingering()]
         _watched.add(group)
         try:
             if _warden_handle is not None:
                 try:
-                    _warden_handle.send([f"+{group}"])
+                    _warden_handle.send([*words, f"+{group}"])
                     return
                 except OSError:
                     _warden_handle.close()
@@ -107,6 +111,33 @@ def forget_groups(groups: Sequence[int]) -> None:
                 _warden_handle.send([f"-{group}" for group in mine])
             except OSError:
                 pass  # gone: it kills nothing, and the next launch replaces it
+
+
+def linger(groups: Sequence[int]) -> None:
+    """These groups are to be killed at our death for as long as any
+    process is in them, not only until their workers are reaped (a
+    multiprocessing process's children outlive it): the warden drops a
+    group once it finds it empty; this record drops it when a later launch
+    finds it so (a new warden must not be told of a group whose id may be
+    another's by then)."""
+    with _lock:
+        _lingering.update(group for group in groups if group in _watched)
+
+
+def _prune_lingering() -> list[int]:
+    """Drop the lingering groups that are empty (or no longer ours, the id
+    taken by another user's group); the ones dropped."""
+    dropped = []
+    for group in list(_lingering):
+        try:
+            os.killpg(group, 0)
+            continue
+        except (ProcessLookupError, PermissionError):  # empty; or another user's now
+            pass
+        _lingering.discard(group)
+        _watched.discard(group)
+        dropped.append(group)
+    return dropped
 
 
 def release_at_exit() -> None:
@@ -136,12 +167,13 @@ def warden_process() -> tuple[set[int], set[int]]:
 
 
 def _reset_after_fork() -> None:
-    global _warden_handle, _lock, _watched
+    global _warden_handle, _lock, _watched, _lingering
     if _warden_handle is not None:
         _warden_handle.forget_in_child()  # it watches the parent, not us
     _warden_handle = None
     _lock = threading.RLock()
     _watched = set()
+    _lingering = set()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

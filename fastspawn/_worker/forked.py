@@ -126,6 +126,9 @@ class ForkSpec:
             disarm_stacks (see ForkStacks.in_worker).
         parent_death_armed: PR_SET_PDEATHSIG is armed (and the parent
             checked) already, by the C fork loop (the zygote's).
+        die_with_parent: arm PR_SET_PDEATHSIG against the parent (not for
+            a launch whose workers outlive their caller, see
+            LaunchRequest.outlive_caller).
     """
 
     __slots__ = (
@@ -144,6 +147,7 @@ class ForkSpec:
         "match_torch_threads",
         "stacks",
         "parent_death_armed",
+        "die_with_parent",
     )
 
     def __init__(
@@ -177,6 +181,7 @@ class ForkSpec:
         self.match_torch_threads = torch_threads_to_match(envs)
         self.stacks = stacks
         self.parent_death_armed = False
+        self.die_with_parent = True
 
 
 def forked_child(
@@ -212,7 +217,7 @@ def _set_up_forked(
     spec: ForkSpec, rank: int, stdio: Sequence[int] | None, close_fds: Sequence[int]
 ) -> None:
     """A forked worker's process set-up, before its fn runs."""
-    if not spec.parent_death_armed:
+    if spec.die_with_parent and not spec.parent_death_armed:
         _arm_parent_death(spec.parent)
     for fd in (*spec.close_fds, *close_fds):
         try:

@@ -17,7 +17,9 @@ Orphan safety, as a chain with no gaps:
 - each worker has PR_SET_PDEATHSIG(SIGKILL) against the single-threaded
   zygote, re-checked after prctl;
 - the zygote is a child subreaper: a worker's orphaned children are
-  reparented to it, and it kills them;
+  reparented to it, and it kills them (those of a multiprocessing process,
+  fastspawn._mp's, it keeps until they exit or it does: multiprocessing's
+  outlive their parent);
 - the process the caller starts forks the zygote proper and stays behind as
   its guard (a subreaper too): if the zygote is SIGKILLed, the guard adopts
   what the dying workers leave, daemons included, and kills it; if the guard
@@ -30,7 +32,10 @@ Orphan safety, as a chain with no gaps:
   the guard is its unreaped child).
 
 The control channel is an inherited socketpair: there is no name to connect
-to.  Exit statuses go back on each launch's channel, sent without blocking
+to.  A multiprocessing process (fastspawn._mp) gets a socketpair of its own
+to the zygote, its link, through which its own processes come from the
+zygote too: they outlive it, as multiprocessing's outlive their parent, and
+die with the zygote.  Exit statuses go back on each launch's channel, sent without blocking
 (the caller may not be reading) and queued until the caller drains it.
 
 Modules: ``main`` (the process's entry, and the guard), ``server`` (the

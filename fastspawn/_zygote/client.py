@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,9 +23,8 @@ from fastspawn._os import hugepages, oscall, procstate
 from fastspawn._os.children import children_of
 from fastspawn._os.helper import HelperClient
 from fastspawn._os.oscall import wait_readable
-from fastspawn._wire import channel as _channel
 from fastspawn._worker import spawned as worker_spawned
-from fastspawn._zygote import protocol
+from fastspawn._zygote import link, protocol
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +36,7 @@ _ENTRY = worker_spawned.entry_code(
 _INTERRUPTS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
-class ZygoteClient(HelperClient):
+class ZygoteClient(HelperClient, link.Sender):
     """The caller's handle on its zygote (one per caller process)."""
 
     def __init__(self, preload: Sequence[str] = ()) -> None:
@@ -179,45 +177,6 @@ class ZygoteClient(HelperClient):
             return False
         return True
 
-    def send(
-        self, message: protocol.ControlMessage, fds: Sequence[int] = (), locked: bool = False
-    ) -> None:
-        """Send one control message (``locked``: the caller holds ``lock``,
-        to keep a launch and the messages that follow it together)."""
-        data = message.encode()
-        if locked:
-            socket.send_fds(self.control, [data], list(fds))
-            return
-        with self.lock:
-            socket.send_fds(self.control, [data], list(fds))
-
-    def send_launch(self, tx: int, payload: int, carried: Sequence[int]) -> None:
-        """Send one launch, whatever its number of ranks: its channel's and
-        payload's fds and as many ``carried`` fds as fit in the LAUNCH
-        message; the rest follow in FDS messages of their own (the kernel
-        passes 253 fds a message; a model shared for Hogwild training
-        carries one per tensor).  BrokenPipeError if the zygote was stopped
-        or died."""
-        with self.lock:
-            if self.closed:  # fastspawn.stop_zygote() in another thread
-                raise BrokenPipeError("the zygote was stopped")
-            first = _channel.MAX_FDS - 2
-            launch = protocol.ControlMessage(protocol.LAUNCH)
-            self.send(launch, [tx, payload, *carried[:first]], locked=True)
-            if len(carried) <= first:
-                return
-            # Once the launch message is out, the rest must follow: a Ctrl-C
-            # in between would leave the zygote waiting for fds and reading
-            # the next launch as those.  Signals wait (pending) until they
-            # are sent.
-            masked = signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
-            try:
-                for start in range(first, len(carried), _channel.MAX_FDS):
-                    chunk = carried[start : start + _channel.MAX_FDS]
-                    self.send(protocol.ControlMessage(protocol.FDS), chunk, locked=True)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, masked)
-
     def wait_until_dead(self) -> None:
         """After a failed send: once the zygote's exit shows on its pidfd,
         the next get_server() starts a new one.  (Stopped, its pidfd is
@@ -270,7 +229,7 @@ def _group_has_live_members(group: int) -> bool:
 
 # ------------------------------------------------------------ the caller's one
 
-_server: ZygoteClient | None = None
+_server: ZygoteClient | link.RootLink | None = None
 # Held across a zygote's whole start by get_server().
 _server_lock = threading.Lock()
 
@@ -281,11 +240,16 @@ def env_preload() -> list[str]:
     return [name for name in raw.replace(",", " ").split() if name]
 
 
-def get_server() -> ZygoteClient:
-    """The caller's zygote, started on first use or after it died."""
+def get_server() -> ZygoteClient | link.RootLink:
+    """The caller's zygote, started on first use or after it died; in a
+    multiprocessing process of a zygote, the link to that one."""
     global _server
     with _server_lock:
-        if _server is not None and not _server.alive():
+        if _server is None:
+            _server = link.take()  # a multiprocessing process's, from its zygote
+        elif isinstance(_server, link.RootLink) and not _server.alive():
+            _server = None  # closed (stop_zygote()): a zygote of our own from now on
+        if isinstance(_server, ZygoteClient) and not _server.alive():
             log.warning(
                 "fastspawn: the zygote (pid %d) died; starting a new one",
                 _server.zygote_pid(0) or _server.pid,
@@ -341,6 +305,8 @@ def helper_processes() -> tuple[set[int], set[int]]:
     server = _server
     if server is None or not server.owned_here():
         return set(), set()
+    if isinstance(server, link.RootLink):
+        return set(), server.helper_fds()  # the zygote is not ours to count
     zygote = server.zygote_pid()
     return {server.pid} | ({zygote} if zygote is not None else set()), server.helper_fds()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 
 from fastspawn._os import oscall, procstate
@@ -13,12 +14,13 @@ from fastspawn._worker import forked as worker_forked
 from fastspawn._worker import runner
 from fastspawn._worker import stacks as worker_stacks
 from fastspawn._worker import stdio as worker_stdio
-from fastspawn._zygote import protocol
+from fastspawn._zygote import link, protocol
 from fastspawn._zygote.launch import Launch, LaunchStdio, report_failure
 from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals, let_signals_through
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any, NoReturn
 
 
@@ -31,6 +33,9 @@ class Forker:
         self.workers = workers
         self.signals = signals
         self.reseed_numpy = False  # the launch forking now: numpy.random is loaded
+        # Our umask, affinity, nice value and limits: what a worker's own
+        # launches through its link (Zygote.fork_links) start from.
+        self.state = procstate.capture()
 
     def fork_ranks(
         self,
@@ -41,11 +46,13 @@ class Forker:
         args: Any,
         payload_error: str | None,
         close_fds: list[int],
+        links: Sequence[socket.socket] = (),
     ) -> list[int]:
         """Fork every rank of a launch; the pids forked.  On a failure the
         launch reports it, and the ranks forked so far are killed (still
         counted live until reaped); the pids returned are then none.
-        ``close_fds``: the zygote's own fds, which no worker keeps."""
+        ``close_fds``: the zygote's own fds, which no worker keeps;
+        ``links``: each rank's link, our end then its (Zygote.fork_links)."""
         stacks = worker_stacks.ForkStacks(header.stacks)
         spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
         spec.stacks = stacks.in_worker
@@ -72,6 +79,7 @@ class Forker:
             # so no rank leads it and each may still setsid(), as a spawned
             # worker can.
             group = oscall.group_anchor() if header.process_group else 0
+            launch.group = group or header.join_group or os.getpgrp()
             if group:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
             loop = oscall.ForkLoop(
@@ -86,7 +94,7 @@ class Forker:
                 prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None
                 rank = loop.fork(prefix, stacks.fd)
                 if rank != -1:
-                    self.in_worker(spec, rank, stdio, loop, unlent)
+                    self.in_worker(spec, rank, stdio, loop, unlent, links)
                 pids = loop.pids
                 for forked, pid in enumerate(pids[first:], first):
                     self.workers[pid] = (launch, forked)
@@ -150,6 +158,16 @@ class Forker:
         sys.stderr.flush()
         return spec
 
+    def take_link(self, links: Sequence[socket.socket], rank: int) -> None:
+        """In a worker: keep this rank's end of its link, as the way its own
+        launches come to this zygote (see fastspawn._zygote.link); close
+        the rest."""
+        own = links[2 * rank + 1]
+        for other in links:
+            if other is not own:
+                other.close()
+        link.use(own, self.me, self.state)
+
     def start_binaries(
         self, header: protocol.LaunchHeader, launch: Launch, stdio: LaunchStdio
     ) -> list[int]:
@@ -211,6 +229,7 @@ class Forker:
         stdio: LaunchStdio,
         loop: oscall.ForkLoop,
         unlent: set[int],
+        links: Sequence[socket.socket],
     ) -> NoReturn:
         """A freshly forked rank (its group, PR_SET_PDEATHSIG and the
         workers' handlers in place, see fork_ranks; -2: that failed): become
@@ -227,6 +246,8 @@ class Forker:
                 let_signals_through(unlent)
             if self.reseed_numpy:
                 worker_forked.reseed()
+            if links:
+                self.take_link(links, rank)
             rank_stdio, unused = stdio.for_rank(rank)
             worker_forked.forked_child(spec, rank, rank_stdio, stdio.others(rank) + unused)
         except BaseException:

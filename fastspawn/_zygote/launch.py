@@ -19,7 +19,7 @@ from fastspawn._zygote import protocol
 class Launch:
     """One launch inside the zygote: its channel and unsent reports."""
 
-    def __init__(self, tx: socket.socket, nprocs: int) -> None:
+    def __init__(self, tx: socket.socket, nprocs: int, mp_process: bool = False) -> None:
         self.tx = tx
         self.live = nprocs
         self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
@@ -28,10 +28,24 @@ class Launch:
         # The caller closed its end before everything was said: nobody is
         # left to report to, or to stop the workers (see Zygote.abandon).
         self.broken = False
+        # multiprocessing processes (protocol.LaunchHeader.mp_process): they
+        # outlive a caller that holds their pidfds, as multiprocessing's
+        # children outlive their parent.
+        self.mp_process = mp_process
+        self.group = 0  # the workers' process group (set as they are forked)
+        self.unsent_pids = 0  # PIDS messages queued, not yet on the channel
 
     def queue(self, rank: int, kind: int, body: bytes, fds: Sequence[int] = ()) -> None:
         header = _channel.HEADER.pack(rank, kind, _channel.LAST)
         self.outbox.append((header + body, list(fds)))
+        self.unsent_pids += kind == _channel.PIDS
+
+    @property
+    def kept_when_broken(self) -> bool:
+        """Whether the workers stay when the caller closes the channel: they
+        are multiprocessing processes and the caller had all their pidfds
+        (one that gave up before, during the launch, never had them)."""
+        return self.mp_process and self.unsent_pids == 0
 
     def flush(self) -> bool:
         """Send what the channel takes now; True when all is sent."""
@@ -56,6 +70,7 @@ class Launch:
                 self.broken = True
                 return True
             self.outbox.popleft()
+            self.unsent_pids -= _channel.HEADER.unpack_from(data)[1] == _channel.PIDS
             for fd in fds:
                 os.close(fd)
         return True

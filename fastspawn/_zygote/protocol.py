@@ -112,6 +112,12 @@ class LaunchHeader:
         line_buffered: the caller's stdout shows lines as they are printed
             (a terminal, a notebook): the workers' is made line-buffered.
         stacks: forked workers arm the stack dump (fastspawn._worker.stacks).
+        mp_process: the ranks are multiprocessing processes (fastspawn's
+            contexts): each gets a link of its own to this zygote, through
+            which the processes it starts come from here too, and once the
+            process that asked for them has its pidfds, they outlive it, as
+            multiprocessing's children outlive their parent (they still die
+            with the zygote, so with the caller).
     The fds arrive in that order: user fds, stdio slots, the caller's stdio.
     """
 
@@ -133,6 +139,7 @@ class LaunchHeader:
         "line_buffered",
         "stacks",
         "join_group",
+        "mp_process",
     )
 
     def __init__(
@@ -155,6 +162,7 @@ class LaunchHeader:
         line_buffered: bool = False,
         stacks: bool = True,
         join_group: int = 0,
+        mp_process: bool = False,
     ) -> None:
         self.nprocs = int(nprocs)
         self.daemon = bool(daemon)
@@ -177,6 +185,7 @@ class LaunchHeader:
         self.line_buffered = bool(line_buffered)
         self.stacks = bool(stacks)
         self.join_group = 0 if self.process_group else int(join_group)
+        self.mp_process = bool(mp_process) and binary is None
 
     def __repr__(self) -> str:
         return f"LaunchHeader(nprocs={self.nprocs}, fds={self.fd_count()})"

@@ -67,6 +67,15 @@ class Zygote:
             self.epoll.register(fd, select.EPOLLIN)
         self.workers: dict[int, tuple[Launch, int]] = {}  # pid -> (launch, rank)
         self.channels: dict[int, Launch] = {}  # tx fd -> launch
+        # Links of multiprocessing processes (LaunchHeader.mp_process): the
+        # control sockets through which they start processes of their own
+        # here.  fd -> (socket, worker pid); closed at its EOF or once the
+        # worker is reaped, whichever comes first.
+        self.links: dict[int, tuple[socket.socket, int]] = {}
+        self.link_of: dict[int, int] = {}  # worker pid -> link fd
+        # Orphans left by multiprocessing processes, kept as multiprocessing
+        # keeps them (see settle_orphans): pid -> its process group.
+        self.kept: dict[int, int] = {}
         # Channel fds closed while handling the current batch of events: a
         # later event of the batch for that number is stale, even if a new
         # launch got the number since (its hang-up must not end the new one).
@@ -104,8 +113,8 @@ class Zygote:
         loaded: fork 3.6x, teardown 3.3x cheaper, benchmarks/README.md).  Each
         stretch is copied (a few ms), so it happens only while the zygote is
         idle, one stretch at a time between polls, and only while no worker
-        runs: a worker still sharing the old pages would keep them alive
-        beside the new ones.
+        (nor kept orphan) runs: a worker still sharing the old pages would
+        keep them alive beside the new ones.
         """
         # Failures are mostly quick (a stretch nothing was written to yet):
         # go on to the next one, for up to 5 ms.
@@ -136,7 +145,7 @@ class Zygote:
             self.signals.wake_r,
             self.signals.wake_w,
         ]
-        return fixed + list(self.channels)
+        return fixed + list(self.channels) + list(self.links)
 
     def serve(self) -> None:
         collapsing = False
@@ -144,7 +153,7 @@ class Zygote:
             # Idle time (nothing for 10 ms) goes to collapsing memory, one
             # stretch at a time with a look at the fds in between, until
             # something happens.
-            idle_work = bool(self.to_collapse) and not self.workers
+            idle_work = bool(self.to_collapse) and not self.workers and not self.kept
             timeout = (0 if collapsing else 0.01) if idle_work else -1
             events = self.epoll.poll(timeout)
             collapsing = not events and idle_work
@@ -153,24 +162,32 @@ class Zygote:
                 continue
             self.closed_in_batch.clear()
             for fd, mask in events:
-                if fd in self.closed_in_batch:
-                    continue
-                if fd == self.control.fileno():
-                    if not self.on_control():
-                        return
-                elif fd == self.parent_fd:
+                if fd not in self.closed_in_batch and not self.on_event(fd, mask):
                     return
-                elif fd == self.signals.wake_r:
-                    self.on_sigchld()
-                elif fd in self.channels:
-                    launch = self.channels[fd]
-                    if mask & (select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP):
-                        launch.broken = True
-                    self.on_writable(launch)
 
-    def on_control(self) -> bool:
+    def on_event(self, fd: int, mask: int) -> bool:
+        """One event of the main loop; False once the caller is gone."""
+        if fd == self.control.fileno():
+            return self.on_control(self.control)
+        if fd == self.parent_fd:
+            return False
+        if fd in self.links:
+            if not self.on_control(self.links[fd][0]):
+                self.close_link(fd)
+        elif fd == self.signals.wake_r:
+            self.on_sigchld()
+        elif fd in self.channels:
+            launch = self.channels[fd]
+            if mask & (select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP):
+                launch.broken = True
+            self.on_writable(launch)
+        return True
+
+    def on_control(self, control: socket.socket) -> bool:
+        """One message from the caller's control socket, or a link's
+        (see fork_links); False at its EOF."""
         try:
-            data, fds, _flags = _channel.recv_fds(self.control, protocol.MAX_MESSAGE, 256)
+            data, fds, _flags = _channel.recv_fds(control, protocol.MAX_MESSAGE, 256)
         except OSError:
             data, fds = b"", []
         if not data:
@@ -183,10 +200,10 @@ class Zygote:
             self.signals.reclaim()
             self.settle()
         else:
-            self.launch(fds)
+            self.launch(control, fds)
         return True
 
-    def launch(self, fds: list[int]) -> None:
+    def launch(self, control: socket.socket, fds: list[int]) -> None:
         """One launch: ``fds`` are its report channel, its payload memfd
         (the launch's header, then fn and args), then the fds the arguments
         carry and the ranks' stdio fds, those that did not fit following in
@@ -196,10 +213,21 @@ class Zygote:
         # memfd, not in the control message, whose size is capped (~200 KB).
         payload = worker_spawned.read_payload(fds[1])
         header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
-        launch = Launch(tx, header.nprocs)
+        launch = Launch(tx, header.nprocs, header.mp_process)
         saved_limits = procstate.adopt_open_files_limit(header.process_state)
         try:
-            pids = self.start_ranks(header, payload, fds[2:], launch)
+            try:
+                carried = fds[2:] + self.receive_fds(control, header.fd_count() + 2 - len(fds))
+            except EOFError:
+                if control is self.control:
+                    raise  # the caller is gone: so are we
+                # A process died in the middle of a launch through its
+                # link: nothing started, nobody to tell.
+                for fd in fds[2:]:
+                    os.close(fd)
+                tx.close()
+                return
+            pids = self.start_ranks(header, payload, carried, launch)
             send_pidfds(launch, pids)
         finally:
             procstate.restore_limits(saved_limits)
@@ -210,10 +238,9 @@ class Zygote:
     def start_ranks(
         self, header: protocol.LaunchHeader, payload: io.BytesIO, carried: list[int], launch: Launch
     ) -> list[int]:
-        """Receive the rest of a launch's fds, take on the caller's state and
-        start the ranks; their pids (none when the launch failed, which is
-        reported on its channel)."""
-        carried += self.receive_fds(header.fd_count() - len(carried))
+        """Take on the caller's state and start a launch's ranks (``carried``:
+        all its fds beside the channel and payload); their pids (none when
+        the launch failed, which is reported on its channel)."""
         user_fds = carried[: header.user_fds]
         stdio = LaunchStdio(header, carried[header.user_fds :])
         fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
@@ -222,9 +249,11 @@ class Zygote:
         else:
             if header.nprocs >= COLLAPSE_BEFORE_FORKING and not self.workers:
                 self.collapse_now()
+            links = self.fork_links(header)
             pids = self.forker.fork_ranks(
-                header, launch, stdio, fn, args, payload_error, self.own_fds()
+                header, launch, stdio, fn, args, payload_error, self.own_fds(), links
             )
+            self.keep_links(pids, links)
         del fn, args
         release_tracker()  # the workers hold the caller's tracker now
         # Arguments in a reference cycle (an object that refers to itself)
@@ -289,14 +318,52 @@ class Zygote:
             payload.close()
         return fn, args, payload_error
 
-    def receive_fds(self, count: int) -> list[int]:
+    def fork_links(self, header: protocol.LaunchHeader) -> list[socket.socket]:
+        """For a launch of multiprocessing processes, a link per rank (a
+        socketpair: ours, then the worker's end): the control socket through
+        which that process starts processes of its own here, not from a
+        zygote of its own, which would take them down with it (a
+        multiprocessing process's children outlive it).  The fds are the
+        zygote's, under the caller's limit on open files (adopted for the
+        launch): past it, the ranks go without."""
+        links: list[socket.socket] = []
+        if header.mp_process:
+            try:
+                for _rank in range(header.nprocs):
+                    links.extend(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            except OSError:
+                for link in links:
+                    link.close()
+                links = []
+        return links
+
+    def keep_links(self, pids: list[int], links: list[socket.socket]) -> None:
+        """After the fork: hold our end of each forked worker's link (see
+        fork_links), close the workers' ends and what no worker took."""
+        for rank, (ours, theirs) in enumerate(zip(links[::2], links[1::2], strict=True)):
+            theirs.close()
+            if rank >= len(pids):
+                ours.close()
+                continue
+            fd = ours.fileno()
+            self.links[fd] = (ours, pids[rank])
+            self.link_of[pids[rank]] = fd
+            self.epoll.register(fd, select.EPOLLIN)
+
+    def close_link(self, fd: int) -> None:
+        """A link is done with: its process closed it, or was reaped."""
+        link, pid = self.links.pop(fd)
+        del self.link_of[pid]
+        self.epoll.unregister(fd)
+        link.close()
+        self.closed_in_batch.add(fd)
+
+    def receive_fds(self, control: socket.socket, count: int) -> list[int]:
         """Read ``count`` fds from the messages (MAX_FDS at most each) that
-        follow a launch message."""
+        follow a launch message on ``control``."""
         fds: list[int] = []
         while len(fds) < count:
-            data, more, _flags = _channel.recv_fds(
-                self.control, protocol.MAX_MESSAGE, _channel.MAX_FDS
-            )
+            data, more, _flags = _channel.recv_fds(control, protocol.MAX_MESSAGE, _channel.MAX_FDS)
             fds.extend(more)
             if not data:
                 for fd in fds:
@@ -311,7 +378,11 @@ class Zygote:
         except BlockingIOError:
             pass
         touched: set[Launch] = set()
-        worker_died = False
+        # The process groups of the children reaped now, whose orphans stay
+        # (multiprocessing processes', kept orphans') or go (other workers').
+        keep: set[int] = set()
+        drop: set[int] = set()
+        reaped = False
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -319,23 +390,43 @@ class Zygote:
                 break
             if pid == 0:
                 break
+            reaped = True
             entry = self.workers.pop(pid, None)
             if entry is None:
-                continue  # an orphaned descendant we adopted and killed
-            worker_died = True
+                # An orphaned descendant: one we killed, or one we kept.
+                if pid in self.kept:
+                    keep.add(self.kept.pop(pid))
+                continue
+            if pid in self.link_of:
+                self.close_link(self.link_of[pid])
             launch, rank = entry
+            (keep if launch.mp_process else drop).add(launch.group)
             launch.live -= 1
             launch.exits += [rank, os.waitstatus_to_exitcode(status)]
             touched.add(launch)
-        if worker_died:
-            self.kill_orphans()
+        if reaped:
+            self.settle_orphans(keep - drop)
         for launch in touched:
             self.on_writable(launch)
 
-    def kill_orphans(self) -> None:
-        """Kill children that are not our workers: descendants whose worker
-        died, reparented to us.  Unreaped, so their pids cannot be reused."""
-        for pid in children_of(self.me) - set(self.workers):
+    def settle_orphans(self, keep: set[int]) -> None:
+        """Deal with the children that are not our workers: descendants
+        whose parent died, reparented to us (a subreaper).  Those in the
+        process group of a multiprocessing process or kept orphan that
+        ended now (``keep``) stay, as multiprocessing's outlive their
+        parent, until they exit, or we do (shutdown kills them, so they
+        die with the caller).  The others are killed (a start_processes
+        rank's leave nothing behind); unreaped, so their pids cannot be
+        reused.  An orphan that left its parent's group goes too."""
+        for pid in children_of(self.me) - self.workers.keys() - self.kept.keys():
+            if keep:
+                try:
+                    group = os.getpgid(pid)
+                except ProcessLookupError:
+                    continue  # gone already
+                if group in keep:
+                    self.kept[pid] = group
+                    continue
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -369,8 +460,13 @@ class Zygote:
         ran (it gave up during the launch, or could not take the workers'
         pidfds): nobody can wait for them or stop them now, so kill them.
         Unreaped children of ours, so the pids are theirs; what they started
-        goes as reparented orphans do (kill_orphans)."""
+        goes as reparented orphans do (settle_orphans).  Multiprocessing
+        processes whose pidfds the caller had stay (Launch.kept_when_broken):
+        their caller died or ended before them, and they end as the
+        zygote's other workers do, with the zygote at the latest."""
         launch.drop_outbox()
+        if launch.kept_when_broken:
+            return
         for pid, (owner, _rank) in self.workers.items():
             if owner is launch:
                 try:
@@ -393,6 +489,9 @@ class Zygote:
             launch.drop_outbox()
             launch.tx.close()
         self.channels.clear()
+        for link, _pid in self.links.values():
+            link.close()
+        self.links.clear()
         kill_children(self.me)
 
 

@@ -35,6 +35,8 @@ class LaunchRequest:
         binary: tuple[str, Mapping[int, Sequence[str]]] | None = None,
         stacks: bool = True,
         caller_group: bool = False,
+        mp_process: bool = False,
+        outlive_caller: bool = False,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -63,6 +65,16 @@ class LaunchRequest:
         # process group (a terminal's Ctrl-C then reaches them, as it
         # reaches multiprocessing's).
         self.caller_group = caller_group
+        # zygote: the ranks are multiprocessing processes, which start their
+        # own through the same zygote and outlive the process that started
+        # them (see fastspawn._zygote.protocol.LaunchHeader.mp_process).
+        self.mp_process = mp_process
+        # fork, spawn: the workers are not bound to the caller (no
+        # PR_SET_PDEATHSIG against it, no process group of their own): they
+        # stay in its group, which the warden of the program's first process
+        # watches, and die with that process, not with this one (a
+        # multiprocessing process's children outlive it: see fastspawn._mp).
+        self.outlive_caller = outlive_caller
         # The process group of the workers (0: none), and while the ranks
         # join it in a fork or spawn launch, its anchor (see
         # common.new_group).

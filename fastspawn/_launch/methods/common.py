@@ -87,7 +87,7 @@ def new_group(req: LaunchRequest) -> int:
     A background job's get a group (and a warden, against an OOM kill of a
     `nohup ... &` run): there a worker stopped by SIGTTOU stays stopped when
     `fg` continues the job (docs/differences.md)."""
-    if foreground_on_a_terminal():
+    if req.outlive_caller or foreground_on_a_terminal():
         return 0
     with oscall.held_signals():  # an anchor no one knows of stays a zombie
         group = req.anchor = req.group = oscall.group_anchor()

@@ -46,6 +46,7 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
         stdin=None if req.keep_stdin else -1,
         stacks=stacks.in_worker,
     )
+    spec.die_with_parent = not req.outlive_caller
     runner.flush_std_streams()
     with common.launch_group(req, started) as group, _stacks_armed(stacks):
         # Each rank born with its own stack file (see fastspawn._worker.stacks.ForkStacks).

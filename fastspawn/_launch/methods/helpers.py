@@ -12,7 +12,7 @@ from fastspawn._zygote import client as _zygote_client
 from fastspawn._zygote.client import preload
 from fastspawn._zygote.client import stop_server as stop_zygote
 
-__all__ = ["forget_groups", "preload", "stop_at_exit", "stop_zygote"]
+__all__ = ["forget_groups", "linger_groups", "preload", "stop_at_exit", "stop_zygote"]
 
 
 def forget_groups(groups: Sequence[int]) -> None:
@@ -21,6 +21,16 @@ def forget_groups(groups: Sequence[int]) -> None:
     if groups:
         _zygote_client.forget_groups(groups)
         _warden_client.forget_groups(groups)
+
+
+def linger_groups(groups: Sequence[int]) -> None:
+    """A fork or spawn launch of multiprocessing processes: the warden is
+    to kill its groups at the caller's death until they are empty, not
+    until its workers are reaped.  What such a process started (a
+    ``subprocess``, in its group) outlives it, as under multiprocessing,
+    and dies with the caller."""
+    if groups:
+        _warden_client.linger(groups)
 
 
 def stop_at_exit() -> None:

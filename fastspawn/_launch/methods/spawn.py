@@ -81,7 +81,7 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
                             stdout=out,
                             stderr=err,
                             keep_fds=keep,
-                            pdeathsig=signal.SIGKILL,
+                            pdeathsig=0 if req.outlive_caller else signal.SIGKILL,
                             process_group=group,
                         )
                     )

@@ -22,7 +22,7 @@ from fastspawn._os import oscall
 from fastspawn._wire import pickling
 from fastspawn._wire.channel import LaunchFailure, Receiver
 from fastspawn._worker import stdio as worker_stdio
-from fastspawn._zygote import client, protocol
+from fastspawn._zygote import client, link, protocol
 
 
 class Zygote(StartMethod):
@@ -76,7 +76,7 @@ def _per_rank_stdio(req: LaunchRequest) -> tuple[list[tuple[int, int]], list[int
     return slots, fds
 
 
-def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient:
+def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient | link.RootLink:
     """Send the launch to the zygote (started if need be, and once more if
     it died meanwhile): the header and the pickled fn and args in a memfd,
     the fds they carry, the ranks' stdio and the caller's.  Returns the
@@ -107,6 +107,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient:
         line_buffered=worker_stdio.stdout_shows_lines(),
         stacks=req.stacks,
         join_group=os.getpgrp() if req.caller_group else 0,
+        mp_process=req.mp_process,
     )
     payload_fd = -1
     try:
@@ -130,7 +131,10 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient:
 
 
 def _receive_workers(
-    req: LaunchRequest, rx: Receiver, started: Started, server: client.ZygoteClient
+    req: LaunchRequest,
+    rx: Receiver,
+    started: Started,
+    server: client.ZygoteClient | link.RootLink,
 ) -> None:
     """Read the workers' pidfds off the launch's channel into ``started``,
     naming their groups to the zygote's watcher as they come."""
