@@ -3,6 +3,7 @@ process, workers nobody could stop, waits that outlived their timeout."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -723,6 +724,22 @@ def test_atexit_handlers_a_worker_registers_run_at_its_exit(tmp_path, start_meth
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit0", "atexit1"]
     assert all(not os.path.exists(d) for d in ctx.return_values.values())
+
+
+def test_a_fork_workers_atexit_handlers_are_multiprocessings(tmp_path):
+    # multiprocessing's fork children run the handlers they register from
+    # Python 3.13 on (CPython gh-83856), none before; never the caller's.
+    caller_marker = tmp_path / "atexit-of-the-caller"
+    handler = caller_marker.touch
+    atexit.register(handler)
+    try:
+        fastspawn.start_processes(
+            workers.register_atexit_and_tempdir, (str(tmp_path),), nprocs=2, start_method="fork"
+        )
+    finally:
+        atexit.unregister(handler)
+    expected = ["atexit0", "atexit1"] if sys.version_info >= (3, 13) else []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("atexit")) == expected
 
 
 def test_the_zygotes_atexit_handlers_do_not_run_in_its_workers(tmp_path, monkeypatch):

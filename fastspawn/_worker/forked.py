@@ -9,7 +9,15 @@ import socket
 import sys
 
 from fastspawn._wire import channel as _channel
-from fastspawn._worker.runner import channel_identity, finish, print_exc, run, set_parent_process
+from fastspawn._worker.runner import (
+    FORK_EXIT_HANDLERS,
+    channel_identity,
+    finish,
+    forget_exit_handlers,
+    print_exc,
+    run,
+    set_parent_process,
+)
 from fastspawn._worker.stacks import arm_stacks, disarm_stacks
 from fastspawn._worker.stdio import quiet_stdin, redirect_stdio, whole_lines
 
@@ -210,7 +218,7 @@ def forked_child(
     except BaseException:
         print_exc()
     finally:
-        finish(code, signum, "own" if spec.from_zygote else "none")
+        finish(code, signum, "own" if spec.from_zygote else FORK_EXIT_HANDLERS)
 
 
 def _set_up_forked(
@@ -228,6 +236,7 @@ def _set_up_forked(
         redirect_stdio(stdio, flush=not spec.from_zygote)
     if not spec.from_zygote:
         _caller_fork_stdio(spec)
+        forget_exit_handlers()
     elif spec.stdin is not None and spec.stdin >= 0:
         _stdin_from(spec.stdin)
     if spec.process_state:

@@ -250,7 +250,31 @@ def _run_own_finalizers() -> None:
             made_here()
 
 
-def finish(code: int, signum: int, exit_handlers: Literal["all", "own", "none"]) -> NoReturn:
+# A worker forked from the caller runs, at its exit, the atexit handlers it
+# registered itself from Python 3.13 on, as multiprocessing's fork children
+# do there (CPython gh-83856); before, none (see forget_exit_handlers).
+FORK_EXIT_HANDLERS: Literal["since_fork", "none"] = (
+    "since_fork" if sys.version_info >= (3, 13) else "none"
+)
+
+
+def forget_exit_handlers() -> None:
+    """In a worker just forked from the caller, from Python 3.13 on: its
+    atexit handlers are the caller's, not its own; clear them and register
+    multiprocessing's exit function, as multiprocessing's fork child does.
+    finish() then runs what the worker registers, then that function.
+    (Before 3.13, nothing: finish() runs none of them.)"""
+    if FORK_EXIT_HANDLERS != "since_fork":
+        return
+    from multiprocessing import util
+
+    atexit._clear()
+    atexit.register(util._exit_function)  # type: ignore[attr-defined]
+
+
+def finish(
+    code: int, signum: int, exit_handlers: Literal["all", "own", "since_fork", "none"]
+) -> NoReturn:
     """Run what multiprocessing runs at a worker's end, then exit with
     ``code`` (0..255), or die by ``signum`` when it is not 0.  Nothing
     raised on the way (a SIGINT, a failing handler) stops the exit: a worker
@@ -258,14 +282,21 @@ def finish(code: int, signum: int, exit_handlers: Literal["all", "own", "none"])
 
     ``exit_handlers``: ``"all"`` for a spawned worker (every atexit
     handler), ``"own"`` for a zygote worker (those it registered, see
-    capture_worker_exit_handlers, then logging's flush), ``"none"`` for a
-    worker forked from the caller, as multiprocessing's fork workers."""
+    capture_worker_exit_handlers, then logging's flush); for a worker
+    forked from the caller, as multiprocessing's fork workers,
+    FORK_EXIT_HANDLERS: ``"since_fork"`` (those registered since
+    forget_exit_handlers, multiprocessing's exit function last) or
+    ``"none"``."""
     try:
         try:
             from multiprocessing import util
 
-            util._exit_function()  # type: ignore[attr-defined]
-            threading._shutdown()  # type: ignore[attr-defined]
+            if exit_handlers == "since_fork":
+                threading._shutdown()  # type: ignore[attr-defined]
+                atexit._run_exitfuncs()  # its own, then multiprocessing's
+            else:
+                util._exit_function()  # type: ignore[attr-defined]
+                threading._shutdown()  # type: ignore[attr-defined]
             if exit_handlers == "all":
                 atexit._run_exitfuncs()
             else:
