@@ -307,6 +307,30 @@ def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_pa
     assert sorted(r["nprocs"] for r in sized if r["kind"] == "launch") == [1, 4]
 
 
+def test_preforked_floors_wake_every_rank_and_leave_nothing(tmp_path):
+    out = tmp_path / "preforked.json"
+    returncode, table, err, seen = bench_watched(
+        "--methods", "floor,floor-preforked,floor-preforked-sized",
+        "--nprocs", "1,4", "--repeat", "2", "--json", str(out),
+    )  # fmt: skip
+    assert returncode == 0, err
+    assert seen and still_running(seen) == []
+    for name in ("floor-preforked", "floor-preforked-sized"):
+        assert len([line for line in table.splitlines() if line.startswith(f"{name} ")]) == 4
+    document = json.loads(out.read_text())
+    assert validate(document) == []
+    for name in ("floor-preforked", "floor-preforked-sized"):
+        rounds = [r for r in document["rounds"] if r["method"] == name]
+        launches = [r for r in rounds if r["kind"] == "launch"]
+        assert sorted(r["nprocs"] for r in launches) == [1, 1, 4, 4]
+        for record in launches:
+            assert len(record["rank_entry_s"]) == len(record["rank_exit_s"]) == record["nprocs"]
+            assert min(record["rank_exit_s"]) >= record["running_s"]  # released once all ran
+        failures = [r for r in rounds if r["kind"] == "failure"]
+        assert sorted(r["nprocs"] for r in failures) == [1, 1, 4, 4]
+        assert all(r["failure_s"] > 0 for r in failures)
+
+
 _SIZED_CHECK = """
 import subprocess, sys
 import fastspawn

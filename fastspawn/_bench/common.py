@@ -21,6 +21,8 @@ METHOD_HELP: dict[str, str] = {
     "torch-spawn": "torch.multiprocessing.spawn(join=False) (each rank imports torch)",
     "floor": "a bare os.fork() loop in a small helper interpreter: the floor (see below)",
     "floor-sized": "the same loop in a helper the zygote's size (its modules, gc.freeze())",
+    "floor-preforked": "floor's ranks forked ahead (untimed), each woken by one write",
+    "floor-preforked-sized": "the same from floor-sized's helper",
     "binary-fastspawn": "fastspawn.elastic.start_processes with true(1) as the entrypoint",
     "binary-popen": 'subprocess.Popen(["true"])',
     "binary-popen-pdeathsig": "the same with a preexec_fn that sets PR_SET_PDEATHSIG",

@@ -1,6 +1,8 @@
 """The floor: a bare ``os.fork()`` loop in a small helper interpreter
 (``floor``), or in one the zygote's size (``floor-sized``), that forks the
-ranks when the bench asks and reports on them."""
+ranks when the bench asks and reports on them; and the floor of ready
+workers (``floor-preforked``, ``floor-preforked-sized``): the same helpers
+fork the ranks ahead, untimed, and wake each with one write when asked."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from fastspawn._bench import ranks as _ranks
-from fastspawn._bench.common import FLOOR, BenchError
+from fastspawn._bench.common import BenchError
 from fastspawn._bench.methods import Method, describe_exit
 from fastspawn._bench.ranks import _RECORD, ENTERED, EXITED, FAILED
 from fastspawn._bench.session import Launched, Session
@@ -29,10 +31,11 @@ class FloorLaunched(Launched):
     user), never after its exit was reported (its pid may be reused).
     """
 
-    def __init__(self, helper: HelperClient, nprocs: int) -> None:
+    def __init__(self, helper: HelperClient, nprocs: int, preforked: bool = False) -> None:
         import select
 
         self.helper = helper
+        self.preforked = preforked  # the ranks wait, forked ahead: woken, not forked
         self.expected = nprocs  # lowered to the ranks forked if a fork fails
         self.forked: list[int] = []  # pid by rank
         self.codes: dict[int, int] = {}  # rank -> exit code (-N: signal N), once reaped
@@ -50,7 +53,8 @@ class FloorLaunched(Launched):
             BenchError: the helper is gone.
         """
         self.requested = True
-        self.helper.control.send(_FLOOR_REQUEST.pack(round_id, self.expected, fail_rank))
+        op = WAKE if self.preforked else FORK
+        self.helper.control.send(_FLOOR_REQUEST.pack(op, round_id, self.expected, fail_rank))
         while len(self.forked) < self.expected:
             self._receive(None)
         if self.fork_errno:
@@ -149,23 +153,34 @@ class FloorLaunched(Launched):
 
 # The floor's wire: the bench asks its helper for ranks, the helper reports
 # on them.  The program below gets these formats and numbers in its argv.
-_FLOOR_REQUEST = struct.Struct("<iii")  # round id, nprocs, the rank that must fail or -1
-_FLOOR_REPLY = struct.Struct("<iii")  # event, rank, pid (FORKED) / exit code (ENDED) / errno
-FORKED, ENDED, NOT_FORKED = 1, 2, 3
+# op, round id, nprocs, the rank that must fail or -1
+_FLOOR_REQUEST = struct.Struct("<iiii")
+# event, rank, pid (FORKED) / exit code (ENDED) / errno (NOT_FORKED, PREFORKED:
+# the ranks forked ahead in its rank field, 0 when all were)
+_FLOOR_REPLY = struct.Struct("<iii")
+FORKED, ENDED, NOT_FORKED, PREFORKED = 1, 2, 3, 4
+FORK, PREFORK, WAKE = 1, 2, 3  # fork the ranks now; fork them ahead; wake those
 _FLOOR_CHUNK = 1024  # reports per message: far below a SOCK_SEQPACKET message's size limit
 
 # The floor's helper: run as ``python -I -S -c`` (no site, no fastspawn, no
 # multiprocessing), it imports os, select, signal, struct and time.  Each
-# request forks the ranks in a bare loop; a rank reports entry, waits for
-# SIGUSR1, reports exit (or failure) as rank_main does, and _exits.  The
-# helper then reaps them, reporting each exit status.  It ends at the bench's
+# FORK request forks the ranks in a bare loop; a rank reports entry, waits
+# for SIGUSR1, reports exit (or failure) as rank_main does, and _exits.  The
+# helper then reaps them, reporting each exit status.  A PREFORK request
+# (untimed) forks the ranks ahead instead, each waiting on a pipe of its own
+# (the other ranks' ends closed), and says PREFORKED once all are forked; the
+# WAKE request that follows writes the round's request to each pipe, one
+# write a rank, and the ranks go on as forked ones.  It ends at the bench's
 # EOF, or with the bench (PR_SET_PDEATHSIG); a rank ends by itself once the
 # bench or the helper is gone.
 _FLOOR_PROGRAM = """\
 import os, select, signal, struct, sys, time
 
 fifo, record_format, request_format, reply_format, *numbers = sys.argv[1:]
-ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, CHUNK, control, bench_pid = map(int, numbers)
+ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, PREFORKED, FORK, PREFORK, CHUNK, *rest = (
+    map(int, numbers)
+)
+control, bench_pid = rest
 record, request, reply = map(struct.Struct, (record_format, request_format, reply_format))
 # Blocked before any fork: a release stays pending until sigtimedwait takes it.
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -215,8 +230,69 @@ def reap(forked):
         os.write(control, reply.pack(ENDED, forked.pop(pid), os.waitstatus_to_exitcode(status)))
 
 
+def wait_to_wake(wake, rank):
+    poller = select.poll()
+    poller.register(wake, select.POLLIN)
+    poller.register(bench, select.POLLIN)
+    if bench in dict(poller.poll()):
+        os._exit(1)  # the bench is gone
+    message = os.read(wake, request.size)
+    if len(message) != request.size:
+        os._exit(1)  # the helper is gone (or retired us)
+    _op, round_id, _nprocs, fail_rank = request.unpack(message)
+    rank_main(round_id, rank, fail_rank)
+
+
+def prefork(nprocs, waiting):
+    for pid, wake in waiting:  # retire those of a round that never came
+        os.close(wake)
+        os.waitpid(pid, 0)
+    waiting, errno = [], 0
+    for rank in range(nprocs):
+        try:
+            wake, wake_end = os.pipe()
+            pid = os.fork()
+        except OSError as exc:
+            errno = exc.errno or 0
+            break
+        if pid == 0:
+            try:
+                os.close(wake_end)
+                for _pid, other in waiting:
+                    os.close(other)
+                wait_to_wake(wake, rank)
+            except BaseException as exc:
+                os.write(2, f"fastspawn bench: floor rank {rank}: {exc!r}\\n".encode())
+            finally:
+                os._exit(1)
+        os.close(wake)
+        waiting.append((pid, wake_end))
+    os.write(control, reply.pack(PREFORKED, len(waiting), errno))
+    return waiting
+
+
+def wake_ranks(waiting, message):
+    forked, reports = {}, []
+    for rank, (pid, wake) in enumerate(waiting):
+        os.write(wake, message)
+        os.close(wake)
+        forked[pid] = rank
+        reports.append(reply.pack(FORKED, rank, pid))
+    for start in range(0, len(reports), CHUNK):
+        os.write(control, b"".join(reports[start : start + CHUNK]))
+    return forked
+
+
+waiting = []
 while message := os.read(control, request.size):  # b"": the bench closed its end
-    reap(fork_ranks(*request.unpack(message)))
+    op, round_id, nprocs, fail_rank = request.unpack(message)
+    if op == FORK:
+        reap(fork_ranks(round_id, nprocs, fail_rank))
+    elif op == PREFORK:
+        waiting = prefork(nprocs, waiting)
+    else:  # WAKE
+        reap(wake_ranks(waiting, message))
+        waiting = []
 """
 
 
@@ -227,13 +303,16 @@ while message := os.read(control, request.size):  # b"": the bench closed its en
 # the object arenas in one region collapsed into huge pages where the
 # zygote does that.  A fork costs more from a bigger process (more page
 # tables to copy, more pages to fault in): this floor is what a rank forked
-# from a process that size costs at the least.
+# from a process that size costs at the least.  The bench's --import modules
+# (torch, say), which its zygote preloads, are imported where the
+# placeholder stands.
+_IMPORTS = "# the bench's --import modules\n"
 _SIZED_PREFIX = f"""\
 from fastspawn._os import hugepages
 if hugepages.wanted():
     hugepages.place_arenas()
 import gc, multiprocessing.spawn, pkgutil, resource, runpy, {MAIN_MODULE}, {_ranks.__name__}
-gc.freeze()
+{_IMPORTS}gc.freeze()
 for address in hugepages.collapsible_ranges() if hugepages.wanted() else ():
     hugepages.collapse(address)
 """
@@ -242,7 +321,10 @@ for address in hugepages.collapsible_ranges() if hugepages.wanted() else ():
 class FloorMethod(Method):
     """The floor: a small helper interpreter, started untimed, forks the
     ranks in a bare ``os.fork()`` loop when asked (see ``_FLOOR_PROGRAM``);
-    ``floor-sized`` the same from a helper the zygote's size.
+    ``floor-sized`` the same from a helper the zygote's size.  The
+    ``-preforked`` ones have the helper fork the round's ranks ahead, in
+    ``prepare``, untimed, and wake each with one write when asked: the
+    floor of ready, pre-forked workers.
 
     The request's round trip over the socketpair is part of what it measures,
     as a launch call is part of every other method's.
@@ -251,24 +333,52 @@ class FloorMethod(Method):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.helper: HelperClient | None = None
+        self.sized = name.endswith("-sized")
+        self.preforked = "-preforked" in name
 
     def setup(self, session: Session) -> None:
         from fastspawn._os.helper import HelperClient
 
         formats = [_RECORD.format, _FLOOR_REQUEST.format, _FLOOR_REPLY.format]
-        numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, _FLOOR_CHUNK]
-        if self.name == FLOOR:
+        numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, PREFORKED, FORK, PREFORK]
+        numbers.append(_FLOOR_CHUNK)
+        if not self.sized:
             argv = ["-I", "-S", "-c", _FLOOR_PROGRAM]
         else:
-            argv = ["-c", _SIZED_PREFIX + _FLOOR_PROGRAM]
+            imports = "".join(f"import {name}\n" for name in session.imports)
+            argv = ["-c", _SIZED_PREFIX.replace(_IMPORTS, imports) + _FLOOR_PROGRAM]
         argv += [session.reports.path, *formats]
         # PR_SET_PDEATHSIG: a bench killed outright takes its helper along.
         self.helper = HelperClient([*argv, *map(str, numbers)], pdeathsig=signal.SIGKILL)
 
+    def prepare(self, session: Session, nprocs: int) -> None:
+        """For the pre-forked floors: have the round's ranks forked ahead.
+
+        Raises:
+            OSError: a fork failed in the helper (the ranks before it wait,
+                and go at the next request).
+            BenchError: the helper is gone.
+        """
+        if not self.preforked:
+            return
+        if self.helper is None:
+            raise BenchError("the floor's helper is not started")
+        self.helper.control.send(_FLOOR_REQUEST.pack(PREFORK, -1, nprocs, -1))
+        data = self.helper.control.recv(_FLOOR_REPLY.size)
+        if not data:
+            raise BenchError(f"the floor's helper (pid {self.helper.pid}) exited")
+        _event, forked, errno = _FLOOR_REPLY.unpack(data)
+        if forked < nprocs:
+            raise OSError(
+                errno,
+                f"{os.strerror(errno)} (from os.fork in the floor's helper, rank {forked}, "
+                "forking ahead)",
+            )
+
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         if self.helper is None:
             raise BenchError("the floor's helper is not started")
-        launched = FloorLaunched(self.helper, nprocs)
+        launched = FloorLaunched(self.helper, nprocs, self.preforked)
         session.live.append(launched)
         _fifo, _bench_pid, round_id, _modules, _payload, fail_rank = spec
         launched.start(round_id, fail_rank)

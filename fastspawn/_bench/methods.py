@@ -201,8 +201,8 @@ class Method:
     def setup(self, session: Session) -> None:
         """Once, before the warm-up round."""
 
-    def prepare(self, session: Session) -> None:
-        """Before every round, untimed."""
+    def prepare(self, session: Session, nprocs: int) -> None:
+        """Before every round of ``nprocs`` ranks, untimed."""
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         """Start the ranks; the handle is in ``session.live`` once it exists."""
@@ -226,7 +226,7 @@ class FastspawnMethod(Method):
         # would repeat fastspawn-zygote-warm's.
         self.failure_round = not cold
 
-    def prepare(self, session: Session) -> None:
+    def prepare(self, session: Session, nprocs: int) -> None:
         import fastspawn
         from fastspawn._launch.methods import registry
 

@@ -93,7 +93,7 @@ def python_round(
     """One launch (or failure) round of a Python method."""
     import gc
 
-    method.prepare(session)
+    method.prepare(session, nprocs)
     fail_rank = nprocs // 2 if failure else -1
     spec = session.spec(fail_rank)
     round_id = spec[2]
@@ -130,7 +130,7 @@ def binary_round(method: Method, nprocs: int, round_no: int, session: Session) -
     """One round of a binary method: start ``nprocs`` binaries, reap them all."""
     import gc
 
-    method.prepare(session)
+    method.prepare(session, nprocs)
     gc.collect()
     t0 = time.monotonic()
     launched = method.launch(nprocs, session.spec(-1), session)

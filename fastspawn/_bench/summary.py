@@ -210,6 +210,8 @@ SERIES_STYLE: dict[str, tuple[str, str]] = {
     "torch-spawn": ("#9a6324", "h"),
     "floor": ("#808080", "<"),
     "floor-sized": ("#469990", ">"),
+    "floor-preforked": ("#a9a9a9", "1"),
+    "floor-preforked-sized": ("#aaffc3", "2"),
     "binary-fastspawn": ("#000075", "p"),
     "binary-popen": ("#808000", "d"),
     "binary-popen-pdeathsig": ("#800000", "8"),
