@@ -33,7 +33,6 @@ _ENTRY = worker_spawned.entry_code(
     f"{protocol.MAIN_MODULE}.main",
     first=f"from {hugepages.__name__} import place_arenas; place_arenas()",
 )
-_INTERRUPTS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 
 
 class ZygoteClient(HelperClient, link.Sender):
