@@ -59,6 +59,38 @@ def start_a_process(context: str, queue: Any) -> None:
     time.sleep(120)
 
 
+def half_a_launch() -> None:
+    """Send the zygote, through this process's link, a launch whose LAUNCH
+    message promises fds that never follow, then die: the zygote must drop
+    it and serve on."""
+    import pickle
+    import socket
+
+    from fastspawn._launch.methods import common
+    from fastspawn._zygote import client, protocol
+
+    header = protocol.LaunchHeader(
+        nprocs=1,
+        daemon=False,
+        preload=[],
+        sys_path=sys.path,
+        env=os.environ,
+        cwd=os.getcwd(),
+        envs={},
+        process_group=True,
+        process_state={},
+        tracker_index=None,
+        user_fds=5,  # none of which is sent
+        stdio_slots=[],
+        default_stdio=0,
+    )
+    payload = common.payload_memfd(header.encode() + pickle.dumps((noop, ())))
+    channel, _peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    launch = protocol.ControlMessage(protocol.LAUNCH)
+    client.get_server().send(launch, [channel.fileno(), payload])
+    os._exit(0)
+
+
 def report_parent(queue: Any) -> None:
     """Put this process's pid, its os.getppid(), and parent_process()'s pid
     and liveness; once that parent is gone (60 s at most), its liveness

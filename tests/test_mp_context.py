@@ -259,6 +259,25 @@ def test_process_started_by_a_process(ctx):
     queue.join_thread()
 
 
+@pytest.mark.parametrize("name", ["fastspawn", "fastspawn-forkserver"])
+def test_zygote_serves_on_when_a_process_dies_in_the_middle_of_a_launch(name):
+    """A Process's own launches reach the zygote through its link: one that
+    dies after the LAUNCH message, before the fds it promised, ends that
+    launch only, not the zygote and every process it serves."""
+    from fastspawn._zygote import client
+
+    ctx = fastspawn.get_context(name)
+    run_process(ctx, mp_targets.noop).close()  # the zygote up
+    zygote = client.zygote_pid()
+    process = run_process(ctx, mp_targets.half_a_launch)
+    assert process.exitcode == 0
+    process.close()
+    again = run_process(ctx, mp_targets.exit_with, (3,))
+    assert again.exitcode == 3
+    again.close()
+    assert client.zygote_pid() == zygote
+
+
 def test_default_process_name(ctx):
     """An unnamed process is called after its class, as multiprocessing's."""
     process = ctx.Process(target=mp_targets.noop)
