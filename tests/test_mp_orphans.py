@@ -4,8 +4,7 @@ Pool worker, executor worker, DataLoader worker (one blocked in a dataset
 call, one blocked writing to a full pipe) or ``ctx.Process`` child (nor a
 Process it started), nor any of their own children, 1 s later; on every
 method the contexts offer.  While the caller lives, a Process that ended
-leaves its own processes running on the zygote's contexts, as
-multiprocessing does."""
+leaves its own processes running, as multiprocessing does."""
 
 from __future__ import annotations
 
