@@ -91,6 +91,9 @@ def test_start_method_none_terminate_signal(parallel_start):
         start_none(workers.abort_rank0)
 
 
+# Seconds of waiting by design, in fastspawn's own code and the kernel's: one
+# CPython version in CI (.ci/run), for the 30-minute budget.
+@pytest.mark.version_neutral
 @pytest.mark.parametrize("grace_period", [None, 20])
 def test_start_method_none_terminate_exit(parallel_start, caplog, grace_period):
     caplog.set_level(logging.WARNING)
@@ -423,6 +426,9 @@ def test_spawn_context_torch_shaped_raised(mp_processes, mp_context, tmp_path, c
     assert not any(p.is_alive() for p in ctx.processes)
 
 
+# Seconds of waiting by design, in fastspawn's own code and the kernel's: one
+# CPython version in CI (.ci/run), for the 30-minute budget.
+@pytest.mark.version_neutral
 def test_spawn_context_torch_shaped_exit(mp_processes, mp_context, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     ctx = torch_shaped(mp_processes, mp_context, tmp_path, workers.exit_rank0, (123, 4.0))
