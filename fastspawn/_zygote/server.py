@@ -382,7 +382,6 @@ class Zygote:
         # (multiprocessing processes', kept orphans') or go (other workers').
         keep: set[int] = set()
         drop: set[int] = set()
-        reaped = False
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -390,7 +389,6 @@ class Zygote:
                 break
             if pid == 0:
                 break
-            reaped = True
             entry = self.workers.pop(pid, None)
             if entry is None:
                 # An orphaned descendant: one we killed, or one we kept.
@@ -404,7 +402,7 @@ class Zygote:
             launch.live -= 1
             launch.exits += [rank, os.waitstatus_to_exitcode(status)]
             touched.add(launch)
-        if reaped:
+        if keep or drop:  # a worker or a kept orphan ended: it may have left some
             self.settle_orphans(keep - drop)
         for launch in touched:
             self.on_writable(launch)
