@@ -38,6 +38,7 @@ _WHERE = {
     "ProcessException": "fastspawn._launch.errors",
     "ProcessExitedException": "fastspawn._launch.errors",
     "ProcessRaisedException": "fastspawn._launch.errors",
+    "prefork": "fastspawn._launch.methods.helpers",
     "preload": "fastspawn._launch.methods.helpers",
     "stop_zygote": "fastspawn._launch.methods.helpers",
     "Process": "fastspawn._mp.context",
@@ -59,6 +60,7 @@ __all__ = [
     "ProcessRaisedException",
     "SpawnContext",
     "patch_torch",
+    "prefork",
     "preload",
     "spawn",
     "start_processes",
@@ -96,7 +98,7 @@ if TYPE_CHECKING:
         ProcessExitedException,
         ProcessRaisedException,
     )
-    from fastspawn._launch.methods.helpers import preload, stop_zygote
+    from fastspawn._launch.methods.helpers import prefork, preload, stop_zygote
     from fastspawn._launch.process import Process as ProcessHandle
     from fastspawn._mp.context import Process
     from fastspawn._torch.patch import patch_torch, unpatch_torch

@@ -73,8 +73,13 @@ def test_stack_dumps_are_not_progress():
     try:
         pids = dict(enumerate(ctx.pids()))
         progress = cli_stacks.Progress(pids)
-        progress.moved()  # what the ranks wrote up to now
         line = "in wait_in_sleep"
+        # A rank's put() may not have returned yet when its rank reaches us.
+        deadline = time.monotonic() + 30
+        while not all(line in text for text in ctx.dump_stacks().values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        progress.moved()  # what the ranks wrote up to now
         for _ in range(3):
             stacks = ctx.dump_stacks()
             assert all(line in text for text in stacks.values()), stacks

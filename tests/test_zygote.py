@@ -131,7 +131,7 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
             pids += map(int, (folder / name).read_text().split())
         zygote = client.zygote_pid()
         assert zygote is not None
-        (guard,) = client.helper_processes()[0] - {zygote}
+        (guard,) = client.helper_processes()[0] - {zygote} - client.ready_workers(zygote)
         thread.start()
         while not importing.exists():
             assert time.monotonic() < deadline + 30, "the zygote did not start the import"

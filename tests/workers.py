@@ -824,3 +824,91 @@ def square_or_raise(rank: int, bad_rank: int, message: str) -> int:
     if rank == bad_rank:
         raise ValueError(message)
     return rank * rank
+
+
+def rank_state(rank: int) -> dict[str, Any]:
+    """Everything a rank inherits or is given that a ready, pre-forked
+    worker must have as a rank forked at launch time has it (issue 31):
+    the same across ranks but for ``pid`` and ``random``, and for the
+    rank's own number in its stack file's name (normalised here)."""
+    import gc
+    import multiprocessing
+    import resource
+    import threading
+
+    def fd_kind(target: str) -> str:
+        target = target.replace(f"fastspawn-stacks:{rank} ", "fastspawn-stacks:RANK ")
+        return target.split(":[")[0] if ":[" in target else target.split(" (deleted)")[0]
+
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("SigBlk", "SigIgn", "SigCgt"):
+                status[key] = value.strip()
+    handlers = {}
+    for number in range(1, signal.NSIG):
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handler = signal.getsignal(number)
+        except ValueError:
+            continue
+        handlers[number] = getattr(handler, "__qualname__", repr(handler))
+    mask = os.umask(0)
+    os.umask(mask)
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            limits[name] = resource.getrlimit(getattr(resource, name))
+    with open("/proc/self/comm") as f:
+        comm = f.read().strip()
+    parent = multiprocessing.parent_process()
+    current = multiprocessing.current_process()
+    return {
+        "pid": os.getpid(),
+        "random": random.random(),
+        "ppid": os.getppid(),
+        "group": os.getpgrp(),
+        "session": os.getsid(0),
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "umask": mask,
+        "sys.path": list(sys.path),
+        "main": getattr(sys.modules.get("__mp_main__"), "__file__", None),
+        "modules": sorted(sys.modules),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        "limits": limits,
+        "signals": status,
+        "handlers": handlers,
+        "fds": sorted(fd_kind(t) for t in fd_targets(rank)),
+        "comm": comm,
+        "name": current.name.replace(str(rank), "RANK"),
+        "daemon": current.daemon,
+        "parent": None if parent is None else parent.pid,
+        "threads": threading.active_count(),
+        "gc": (gc.isenabled(), gc.get_threshold()),
+        "stdout": (sys.stdout.line_buffering, getattr(sys.stdout, "write_through", None)),
+    }
+
+
+def pid_and_random(rank: int) -> tuple[int, float]:
+    return os.getpid(), random.random()
+
+
+def _only_in(pid: int) -> str:
+    if os.getpid() != pid:
+        raise ImportError("no_such_module_for_ready: unpickled outside the zygote")
+    return "unpickled in the zygote"
+
+
+class UnpicklableByWorkers:
+    """Unpickles in the process whose pid it was given (the zygote) and
+    nowhere else: a ready worker's own unpickling fails."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _only_in, (self.pid,)

@@ -49,7 +49,7 @@ from fastspawn._os import children as _children
 from fastspawn._os import oscall
 from fastspawn._worker import runner
 from fastspawn._worker.stacks import STACKS_MEMFD, STACKS_SIGNAL
-from fastspawn._zygote import protocol
+from fastspawn._zygote import protocol, ready
 
 # How long a failure waits for the other ranks' stacks before stopping them.
 FAILURE_TIMEOUT = 0.5
@@ -486,7 +486,7 @@ def ranks_below(root: int) -> list[tuple[str | None, int]]:
     catches the signal (the rank its memfd names; the walk does not go
     below it: its children are its business), and every other child of a
     fastspawn zygote (a rank too: a binary, or started with stacks off; its
-    rank None).  Other processes (the zygote, its guard, the warden, the
+    rank None) but its ready workers.  Other processes (the zygote, its guard, the warden, the
     caller's other children) are walked through, never signalled.
     ``root`` may be a zygote, or its guard, itself."""
     found: list[tuple[str | None, int]] = []
@@ -498,6 +498,8 @@ def ranks_below(root: int) -> list[tuple[str | None, int]]:
             fields = _status(pid)
             if fields is None or not _own(fields) or _state(fields) in "ZX":
                 continue
+            if parent.level == 2 and fields.get("Name") == ready.READY_NAME:
+                continue  # a zygote's ready worker: no rank yet
             zygote = _ZYGOTE_ENTRY in _cmdline(pid) and parent.level < 2
             memfd = None if zygote or not _has(fields, "SigCgt") else _memfd_of(pid)
             if memfd is not None and memfd[1] != parent.inode:

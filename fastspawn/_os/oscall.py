@@ -91,8 +91,16 @@ class ForkLoop:
     }
 
     def __init__(
-        self, nprocs: int, parent: int, group: int, pdeathsig: int, unblock: Iterable[int]
+        self,
+        nprocs: int,
+        parent: int,
+        group: int,
+        pdeathsig: int,
+        unblock: Iterable[int],
+        started: Sequence[int] = (),
     ) -> None:
+        """``started``: the pids of the first ranks, started otherwise (the
+        zygote's ready workers): the loop forks the ranks after them."""
         self._plan = ffi.new("struct fs_fork_plan *")
         self._plan.nprocs = nprocs
         self._plan.parent = parent
@@ -100,6 +108,9 @@ class ForkLoop:
         self._plan.pdeathsig = pdeathsig
         self._plan.unblock = _mask_bits(unblock)
         self._pids = ffi.new("pid_t[]", max(nprocs, 1))
+        for rank, pid in enumerate(started):
+            self._pids[rank] = pid
+        self._plan.next = len(started)
 
     @property
     def next(self) -> int:

@@ -110,8 +110,10 @@ def prepare(preparation: dict[str, Any]) -> None:
         current._inheriting = False  # type: ignore[attr-defined]
 
 
-def read_payload(fd: int) -> io.BytesIO:
-    """The whole payload memfd, read at explicit offsets, then closed."""
+def read_payload(fd: int, keep_open: bool = False) -> io.BytesIO:
+    """The whole payload memfd, read at explicit offsets (never moving the
+    file's offset, which its other holders share), then closed unless
+    ``keep_open``."""
     try:
         size = os.fstat(fd).st_size
         chunks = []
@@ -123,7 +125,8 @@ def read_payload(fd: int) -> io.BytesIO:
             chunks.append(chunk)
             offset += len(chunk)
     finally:
-        os.close(fd)
+        if not keep_open:
+            os.close(fd)
     return io.BytesIO(b"".join(chunks))
 
 

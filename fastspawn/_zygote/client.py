@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -25,6 +27,7 @@ from fastspawn._os.helper import HelperClient
 from fastspawn._os.oscall import wait_readable
 from fastspawn._worker import spawned as worker_spawned
 from fastspawn._zygote import link, protocol
+from fastspawn._zygote.ready import READY_NAME
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +284,44 @@ def preload(modules: Sequence[str]) -> None:
     get_server().send(protocol.ControlMessage(protocol.PRELOAD, names))
 
 
+def prefork(n: int, *, refill: bool = True) -> int:
+    """Make ``n`` workers ready in the zygote (started now if need be), so
+    that a launch's first ``n`` ranks need no fork; return once they are
+    ready, with how many are (fewer than ``n`` only where the limits stop
+    it: a quarter of RLIMIT_NPROC, memory running short, fds).
+
+    ``refill``: keep at least ``n`` ready, making them again after each
+    launch that took them, and make as many ready again as each ended
+    launch had, up to FASTSPAWN_READY (default 256), in the background;
+    that is what a zygote does by itself from its start.  False: ``n`` now
+    and none made ready after; ``prefork(0, refill=False)`` turns ready
+    workers off.  See docs/performance.md.
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"prefork() takes a number of workers (int), got {n!r}")
+    if n < 0:
+        raise ValueError(f"prefork() takes a number of workers >= 0, got {n}")
+    from multiprocessing import process
+
+    if getattr(process.current_process(), "_inheriting", False):
+        return 0  # being prepared from the caller's main module: see preload()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours:
+        with theirs:
+            message = protocol.ControlMessage(protocol.PREFORK, count=n, refill=refill)
+            get_server().send(message, [theirs.fileno()])
+        answer = ours.recv(16)
+    if len(answer) != _READY_COUNT.size:
+        raise RuntimeError(
+            "fastspawn: the zygote ended before it had the workers ready; see its error "
+            "above, if any, and try again (the next launch starts a new zygote)"
+        )
+    return int(_READY_COUNT.unpack(answer)[0])
+
+
+_READY_COUNT = struct.Struct("=i")  # the zygote's answer to prefork (Zygote.prefork)
+
+
 def stop_server() -> None:
     """Stop the zygote, if one runs; the next launch starts a new one."""
     global _server
@@ -307,7 +348,23 @@ def helper_processes() -> tuple[set[int], set[int]]:
     if isinstance(server, link.RootLink):
         return set(), server.helper_fds()  # the zygote is not ours to count
     zygote = server.zygote_pid()
-    return {server.pid} | ({zygote} if zygote is not None else set()), server.helper_fds()
+    if zygote is None:
+        return {server.pid}, server.helper_fds()
+    return {server.pid, zygote} | ready_workers(zygote), server.helper_fds()
+
+
+def ready_workers(zygote: int) -> set[int]:
+    """The zygote's ready workers (see fastspawn._zygote.ready) as they
+    are now: its children waiting under their name."""
+    ready = set()
+    for pid in children_of(zygote):
+        try:
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                if f.read().strip() == READY_NAME.encode():
+                    ready.add(pid)
+        except OSError:
+            pass  # gone meanwhile
+    return ready
 
 
 def zygote_pid() -> int | None:

@@ -20,7 +20,7 @@ from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals, let_signals_throu
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any, NoReturn
 
 
@@ -47,12 +47,15 @@ class Forker:
         payload_error: str | None,
         close_fds: list[int],
         links: Sequence[socket.socket] = (),
+        wake: Callable[[int], list[int]] | None = None,
     ) -> list[int]:
         """Fork every rank of a launch; the pids forked.  On a failure the
         launch reports it, and the ranks forked so far are killed (still
         counted live until reaped); the pids returned are then none.
         ``close_fds``: the zygote's own fds, which no worker keeps;
-        ``links``: each rank's link, our end then its (Zygote.fork_links)."""
+        ``links``: each rank's link, our end then its (Zygote.fork_links);
+        ``wake``: gives the first ranks to ready workers, once the launch's
+        process group (its argument) is made (ReadyPool.wake); their pids."""
         stacks = worker_stacks.ForkStacks(header.stacks)
         spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
         spec.stacks = stacks.in_worker
@@ -82,12 +85,17 @@ class Forker:
             launch.group = group or header.join_group or os.getpgrp()
             if group:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
+            call = "the wake of ready workers"
+            pids = wake(group or header.join_group) if wake is not None else []
+            for rank, pid in enumerate(pids):
+                self.workers[pid] = (launch, rank)
             loop = oscall.ForkLoop(
                 header.nprocs,
                 self.me,
                 group or header.join_group,
                 signal.SIGKILL,
                 () if unlent else ZYGOTE_SIGNALS,
+                started=pids,
             )
             while loop.next < header.nprocs:
                 first = loop.next
@@ -237,13 +245,7 @@ class Forker:
         user's that raises may run as the signals are let through, before
         the worker's own handling starts."""
         try:
-            if rank < 0:
-                step, error = loop.failure()
-                if step == oscall.ForkLoop.STEP_PDEATHSIG and isinstance(error, ProcessLookupError):
-                    os._exit(1)  # the zygote died before prctl: nobody wants us
-                raise error or AssertionError(f"fs_fork_ranks failed at step {step}")
-            if unlent:
-                let_signals_through(unlent)
+            set_up_child(loop, rank, unlent)
             if self.reseed_numpy:
                 worker_forked.reseed()
             if links:
@@ -254,3 +256,17 @@ class Forker:
             runner.print_exc()
         finally:
             os._exit(1)
+
+
+def set_up_child(loop: oscall.ForkLoop, index: int, unlent: set[int]) -> None:
+    """In a child the C fork loop just forked (a rank, or a ready worker;
+    ``index`` -2: its set-up failed, see ForkLoop.fork): exit if the zygote
+    died before PR_SET_PDEATHSIG was armed, raise if another step failed;
+    else let the zygote's signals through, with the handlers not lent."""
+    if index < 0:
+        step, error = loop.failure()
+        if step == oscall.ForkLoop.STEP_PDEATHSIG and isinstance(error, ProcessLookupError):
+            os._exit(1)  # the zygote died before prctl: nobody wants us
+        raise error or AssertionError(f"fs_fork_ranks failed at step {step}")
+    if unlent:
+        let_signals_through(unlent)

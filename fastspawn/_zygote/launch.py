@@ -1,5 +1,6 @@
 """One launch inside the zygote: its report channel and what waits to be
-sent on it, its stdio fds as received, and how a failed launch is reported."""
+sent on it, its stdio fds as received, the caller's state taken on before
+its fn is unpickled, and how a failed launch is reported."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import os
 import signal
 import socket
 import stat
+import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastspawn._os import oscall
 from fastspawn._wire import channel as _channel
+from fastspawn._wire import pickling
 from fastspawn._zygote import protocol
 
 
@@ -21,7 +24,9 @@ class Launch:
 
     def __init__(self, tx: socket.socket, nprocs: int, mp_process: bool = False) -> None:
         self.tx = tx
+        self.size = nprocs
         self.live = nprocs
+        self.forked = True  # its ranks are forked workers, not binaries
         self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         self.exits: list[int] = []  # (rank, status) pairs not yet queued
         self.watching_out = False
@@ -224,3 +229,56 @@ def report_failure(launch: Launch, pids: list[int], call: str, exc: BaseExceptio
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     launch.live = len(pids)
+
+
+def take_on_caller(
+    header: protocol.LaunchHeader, user_fds: Sequence[int], settle: Callable[[], None]
+) -> bool:
+    """Before a launch's fn and args are unpickled (by the zygote, or by a
+    ready worker, fastspawn._zygote.ready): the caller's environment, cwd
+    and sys.path as of the launch, its ``preload=`` imported, ``settle``
+    called, the arguments' fds and the caller's resource tracker in place.
+    What is equal already is not rewritten: a ready worker would copy the
+    pages that writes.  Whether any of the three changed."""
+    changed = False
+    if os.environ != header.env:
+        changed = True
+        os.environ.clear()
+        os.environ.update(header.env)
+    if os.getcwd() != header.cwd:
+        changed = True
+    os.chdir(header.cwd)  # even if equal: the directory may be another by that name now
+    if sys.path != header.sys_path:
+        changed = True
+        sys.path[:] = header.sys_path
+    import_all(header.preload, strict=True)
+    settle()
+    pickling.inherited_fds[:] = user_fds
+    if header.tracker_index is not None:
+        adopt_tracker(user_fds[header.tracker_index])
+    return changed
+
+
+class PreloadError(ImportError):
+    """A module named in a launch's ``preload=`` could not be imported."""
+
+
+def import_all(modules: Sequence[str], strict: bool = False) -> None:
+    """Import ``modules``.  ``strict`` (a launch's ``preload=``): the first
+    failure raises PreloadError naming the module; else (FASTSPAWN_PRELOAD,
+    fastspawn.preload()) it is printed and the zygote goes on without it."""
+    for name in modules:
+        try:
+            __import__(name)
+        except Exception as exc:
+            if strict:
+                raise PreloadError(
+                    f"fastspawn: preload={list(modules)!r}: the zygote could not import "
+                    f"{name!r} before starting the workers ({type(exc).__name__}: {exc})"
+                ) from exc
+            print(
+                f"fastspawn: could not preload {name!r} (FASTSPAWN_PRELOAD or "
+                "fastspawn.preload()); workers will import it themselves if they need it:",
+                file=sys.stderr,
+            )
+            traceback.print_exc()

@@ -14,7 +14,8 @@ from fastspawn._os.children import kill_children
 from fastspawn._worker import runner
 from fastspawn._worker import spawned as worker_spawned
 from fastspawn._zygote import protocol
-from fastspawn._zygote.server import Zygote, import_all
+from fastspawn._zygote.launch import import_all
+from fastspawn._zygote.server import Zygote
 from fastspawn._zygote.signals import exit_on_sigterm, terminating
 
 # Every import here is one the zygote (and each worker, its copy) carries:

@@ -3,7 +3,9 @@ zygote, defined once and imported by both ends.
 
 The control socket (SOCK_SEQPACKET, one message a datagram) carries:
 - first, the caller's Hello: its spawn preparation data and preloads;
-- then ControlMessages: PRELOAD (modules to import now), LAUNCH (with fds:
+- then ControlMessages: PRELOAD (modules to import now), PREFORK (keep
+  this many ready workers, with one fd: where the zygote says how many are
+  ready once they are, see fastspawn._zygote.ready), LAUNCH (with fds:
   the launch's report channel, its payload memfd, then as many of the
   launch's other fds as fit) and FDS (the launch's fds that did not fit in
   its LAUNCH, MAX_FDS a message, straight after it).
@@ -34,6 +36,7 @@ MAIN_MARK = f"from {MAIN_MODULE} import main".encode()
 
 # ControlMessage operations.
 PRELOAD = "preload"
+PREFORK = "prefork"
 LAUNCH = "launch"
 FDS = "fds"
 
@@ -66,22 +69,30 @@ class Hello:
 class ControlMessage:
     """One message on the control socket after the Hello."""
 
-    __slots__ = ("op", "modules")
+    __slots__ = ("op", "modules", "count", "refill")
 
-    def __init__(self, op: str, modules: Sequence[str] = ()) -> None:
+    def __init__(
+        self, op: str, modules: Sequence[str] = (), count: int = 0, refill: bool = True
+    ) -> None:
         self.op = op
         self.modules = list(modules)  # PRELOAD's
+        self.count = int(count)  # PREFORK's
+        self.refill = bool(refill)  # PREFORK's
 
     def __repr__(self) -> str:
-        return f"ControlMessage({self.op!r}, modules={self.modules!r})"
+        return (
+            f"ControlMessage({self.op!r}, modules={self.modules!r}, count={self.count}, "
+            f"refill={self.refill})"
+        )
 
     def encode(self) -> bytes:
-        return pickle.dumps((self.op, self.modules), pickle.HIGHEST_PROTOCOL)
+        values = (self.op, self.modules, self.count, self.refill)
+        return pickle.dumps(values, pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def decode(cls, data: bytes) -> ControlMessage:
-        op, modules = pickle.loads(data)
-        return cls(op, modules)
+        op, modules, count, refill = pickle.loads(data)
+        return cls(op, modules, count, refill)
 
 
 class LaunchHeader:

@@ -1,6 +1,6 @@
 """The zygote's main loop: the caller's messages, each launch prepared and
 its ranks started, their exits reaped and reported, orphans killed; idle
-time spent collapsing memory into huge pages."""
+time spent collapsing memory into huge pages and making workers ready."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pickle
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 
 from fastspawn._os import hugepages, oscall, procstate
 from fastspawn._os.children import children_of, kill_children
@@ -27,16 +27,20 @@ from fastspawn._zygote.forking import Forker
 from fastspawn._zygote.launch import (
     Launch,
     LaunchStdio,
-    adopt_tracker,
+    import_all,
     release_tracker,
     send_pidfds,
+    take_on_caller,
 )
+from fastspawn._zygote.ready import ReadyPool
 from fastspawn._zygote.signals import Signals, terminating
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+
+_READY_COUNT = struct.Struct("=i")  # prefork's answer
 
 # From this many ranks on, a launch first collapses what the zygote has not
 # collapsed yet (see Zygote.collapse_now).
@@ -87,6 +91,7 @@ class Zygote:
         self.prepare_failure: tuple[str, Any] | None = None
         self.to_collapse: list[int] = []  # stretches for collapse_when_idle
         self.forker = Forker(self.me, self.workers, self.signals)
+        self.ready = ReadyPool(self.me, self.signals, self.forker.state)
 
     def settle(self) -> None:
         """Prepare the memory that workers share, once imports changed it.
@@ -99,6 +104,7 @@ class Zygote:
         """
         if len(sys.modules) == self.settled_modules:
             return
+        self.ready.retire()  # forked without the new modules
         gc.freeze()
         self.settled_modules = len(sys.modules)
         if hugepages.wanted():
@@ -145,25 +151,49 @@ class Zygote:
             self.signals.wake_r,
             self.signals.wake_w,
         ]
-        return fixed + list(self.channels) + list(self.links)
+        return fixed + list(self.channels) + list(self.links) + self.ready.fds()
 
     def serve(self) -> None:
-        collapsing = False
+        busy = False  # idle work was done last round: look at the fds, go on
         while True:
-            # Idle time (nothing for 10 ms) goes to collapsing memory, one
-            # stretch at a time with a look at the fds in between, until
-            # something happens.
-            idle_work = bool(self.to_collapse) and not self.workers and not self.kept
-            timeout = (0 if collapsing else 0.01) if idle_work else -1
+            # Idle time (nothing for 10 ms) goes to collapsing memory, then
+            # to making workers ready, a step at a time with a look at the
+            # fds in between, until something happens.
+            wait = self.idle_wait()
+            timeout = -1.0 if wait is None else 0 if busy else wait
             events = self.epoll.poll(timeout)
-            collapsing = not events and idle_work
-            if collapsing:
-                self.collapse_when_idle()
+            busy = not events and wait is not None and self.idle_work()
+            if busy or not events:
                 continue
             self.closed_in_batch.clear()
             for fd, mask in events:
                 if fd not in self.closed_in_batch and not self.on_event(fd, mask):
                     return
+
+    def can_collapse(self) -> bool:
+        """Whether memory may be collapsed now (see collapse_when_idle):
+        nothing runs that shares the old pages, ready workers neither."""
+        return (
+            bool(self.to_collapse) and not self.workers and not self.kept and not self.ready.waiting
+        )
+
+    def idle_wait(self) -> float | None:
+        """Seconds of quiet before idle work is due; None: there is none."""
+        if self.can_collapse():
+            return 0.01  # first: ready workers made before would keep the old pages
+        if self.prepare_failure is not None:
+            return None  # no ready workers from a failed preparation
+        return self.ready.refill_delay()
+
+    def idle_work(self) -> bool:
+        """One step of idle work; whether there was any to do."""
+        if self.can_collapse():
+            self.collapse_when_idle()
+            return True
+        if self.ready.refill_delay() is None:
+            return False
+        self.ready.refill(self.own_fds())
+        return True
 
     def on_event(self, fd: int, mask: int) -> bool:
         """One event of the main loop; False once the caller is gone."""
@@ -199,9 +229,24 @@ class Zygote:
             import_all(message.modules)
             self.signals.reclaim()
             self.settle()
+        elif message.op == protocol.PREFORK:
+            self.prefork(message.count, message.refill, fds)
         else:
             self.launch(control, fds)
         return True
+
+    def prefork(self, count: int, refill: bool, fds: list[int]) -> None:
+        """fastspawn.prefork(count, refill=refill): make them ready, then
+        say how many are on the fd that came with the message (its only
+        one).  None after a failed preparation: every launch fails then."""
+        ready = 0 if self.prepare_failure is not None else count
+        ready = self.ready.prefork(ready, refill, self.own_fds() + fds)
+        for fd in fds:
+            try:
+                os.write(fd, _READY_COUNT.pack(ready))
+            except OSError:
+                pass  # the caller gave up waiting
+            os.close(fd)
 
     def launch(self, control: socket.socket, fds: list[int]) -> None:
         """One launch: ``fds`` are its report channel, its payload memfd
@@ -209,11 +254,15 @@ class Zygote:
         carry and the ranks' stdio fds, those that did not fit following in
         messages of their own."""
         tx = socket.socket(fileno=fds[0])
+        self.ready.launched()
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
-        payload = worker_spawned.read_payload(fds[1])
+        # The memfd stays open for the ready workers, which read it too.
+        payload = worker_spawned.read_payload(fds[1], keep_open=True)
         header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
+        header_size = payload.tell()
         launch = Launch(tx, header.nprocs, header.mp_process)
+        launch.forked = header.binary is None
         saved_limits = procstate.adopt_open_files_limit(header.process_state)
         try:
             try:
@@ -223,11 +272,12 @@ class Zygote:
                     raise  # the caller is gone: so are we
                 # A process died in the middle of a launch through its
                 # link: nothing started, nobody to tell.
-                for fd in fds[2:]:
+                for fd in fds[1:]:
                     os.close(fd)
                 tx.close()
                 return
-            pids = self.start_ranks(header, payload, carried, launch)
+            pids = self.start_ranks(header, payload, (fds[1], header_size), carried, launch)
+            os.close(fds[1])
             send_pidfds(launch, pids)
         finally:
             procstate.restore_limits(saved_limits)
@@ -236,23 +286,49 @@ class Zygote:
         self.on_writable(launch)
 
     def start_ranks(
-        self, header: protocol.LaunchHeader, payload: io.BytesIO, carried: list[int], launch: Launch
+        self,
+        header: protocol.LaunchHeader,
+        payload: io.BytesIO,
+        payload_file: tuple[int, int],
+        carried: list[int],
+        launch: Launch,
     ) -> list[int]:
         """Take on the caller's state and start a launch's ranks (``carried``:
-        all its fds beside the channel and payload); their pids (none when
-        the launch failed, which is reported on its channel)."""
+        all its fds beside the channel and payload; ``payload_file``: the
+        payload's fd, and where fn and args start in it); their pids (none
+        when the launch failed, which is reported on its channel)."""
+        payload_fd, offset = payload_file
         user_fds = carried[: header.user_fds]
         stdio = LaunchStdio(header, carried[header.user_fds :])
+        # Ready workers unpickle for themselves, with dups of the
+        # arguments' fds: prepare() closes ours.
+        wake_fds = [os.dup(fd) for fd in user_fds] if self.ready.usable_for(header) else None
         fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
         if header.binary is not None and payload_error is None:
             pids = self.forker.start_binaries(header, launch, stdio)
         else:
-            if header.nprocs >= COLLAPSE_BEFORE_FORKING and not self.workers:
+            # (Not with ready workers: they hold the old pages.)
+            idle = not self.workers and not self.ready.waiting
+            if header.nprocs >= COLLAPSE_BEFORE_FORKING and idle:
                 self.collapse_now()
             links = self.fork_links(header)
-            pids = self.forker.fork_ranks(
-                header, launch, stdio, fn, args, payload_error, self.own_fds(), links
-            )
+
+            def wake(group: int) -> list[int]:
+                if wake_fds is None or payload_error is not None:
+                    return []
+                tx = launch.tx.fileno()
+                return self.ready.wake(
+                    header, offset, tx, payload_fd, wake_fds, stdio, links, group
+                )
+
+            try:
+                own_fds = [*self.own_fds(), payload_fd]
+                pids = self.forker.fork_ranks(
+                    header, launch, stdio, fn, args, payload_error, own_fds, links, wake
+                )
+            finally:
+                for fd in wake_fds or ():
+                    os.close(fd)
             self.keep_links(pids, links)
         del fn, args
         release_tracker()  # the workers hold the caller's tracker now
@@ -282,20 +358,13 @@ class Zygote:
         args: Any = ()
         payload_error = None
         try:
-            # Take on the caller's current environment, cwd and sys.path
-            # before unpickling: imports run here and must see what a spawned
-            # interpreter would.  The workers inherit all three.
-            os.environ.clear()
-            os.environ.update(header.env)
-            os.chdir(header.cwd)
-            sys.path[:] = header.sys_path
-            import_all(header.preload, strict=True)
-            # Before unpickling: fn and args are the launch's, not lasting
-            # zygote state, and must stay collectable in the workers.
-            self.settle()
-            pickling.inherited_fds[:] = user_fds
-            if header.tracker_index is not None:
-                adopt_tracker(user_fds[header.tracker_index])
+            # The caller's environment, cwd and sys.path are taken on
+            # before unpickling: imports run here and must see what a
+            # spawned interpreter would.  The workers inherit all three.
+            # settle() before unpickling: fn and args are the launch's, not
+            # lasting zygote state, and must stay collectable in the workers.
+            if take_on_caller(header, user_fds, self.settle):
+                self.ready.generation += 1
             if self.prepare_failure is None:
                 fn, args = pickle.load(payload)
             elif self.prepare_failure[0] == "exit":
@@ -303,6 +372,7 @@ class Zygote:
             else:
                 payload_error = self.prepare_failure[1]
         except BaseException:
+            self.ready.generation += 1  # the state may be half taken on
             if terminating():
                 # Our own SIGTERM (the guard died), landed in an import or
                 # the unpickling: shut down, not a payload error for the
@@ -391,7 +461,9 @@ class Zygote:
                 break
             entry = self.workers.pop(pid, None)
             if entry is None:
-                # An orphaned descendant: one we killed, or one we kept.
+                # A ready worker that died, or an orphaned descendant: one
+                # we killed, or one we kept.
+                self.ready.gone(pid)
                 if pid in self.kept:
                     keep.add(self.kept.pop(pid))
                 continue
@@ -400,6 +472,8 @@ class Zygote:
             launch, rank = entry
             (keep if launch.mp_process else drop).add(launch.group)
             launch.live -= 1
+            if launch.live == 0 and launch.forked:
+                self.ready.ended(launch.size)
             launch.exits += [rank, os.waitstatus_to_exitcode(status)]
             touched.add(launch)
         if keep or drop:  # a worker or a kept orphan ended: it may have left some
@@ -416,7 +490,8 @@ class Zygote:
         die with the caller).  The others are killed (a start_processes
         rank's leave nothing behind); unreaped, so their pids cannot be
         reused.  An orphan that left its parent's group goes too."""
-        for pid in children_of(self.me) - self.workers.keys() - self.kept.keys():
+        others = children_of(self.me) - self.workers.keys() - self.kept.keys()
+        for pid in others - self.ready.waiting.keys():
             if keep:
                 try:
                     group = os.getpgid(pid)
@@ -490,29 +565,5 @@ class Zygote:
         for link, _pid in self.links.values():
             link.close()
         self.links.clear()
+        self.ready.retire()
         kill_children(self.me)
-
-
-class PreloadError(ImportError):
-    """A module named in a launch's ``preload=`` could not be imported."""
-
-
-def import_all(modules: Sequence[str], strict: bool = False) -> None:
-    """Import ``modules``.  ``strict`` (a launch's ``preload=``): the first
-    failure raises PreloadError naming the module; else (FASTSPAWN_PRELOAD,
-    fastspawn.preload()) it is printed and the zygote goes on without it."""
-    for name in modules:
-        try:
-            __import__(name)
-        except Exception as exc:
-            if strict:
-                raise PreloadError(
-                    f"fastspawn: preload={list(modules)!r}: the zygote could not import "
-                    f"{name!r} before starting the workers ({type(exc).__name__}: {exc})"
-                ) from exc
-            print(
-                f"fastspawn: could not preload {name!r} (FASTSPAWN_PRELOAD or "
-                "fastspawn.preload()); workers will import it themselves if they need it:",
-                file=sys.stderr,
-            )
-            traceback.print_exc()

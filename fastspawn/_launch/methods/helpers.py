@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from fastspawn._warden import client as _warden_client
 from fastspawn._zygote import client as _zygote_client
-from fastspawn._zygote.client import preload
+from fastspawn._zygote.client import prefork, preload
 from fastspawn._zygote.client import stop_server as stop_zygote
 
-__all__ = ["forget_groups", "linger_groups", "preload", "stop_at_exit", "stop_zygote"]
+__all__ = ["forget_groups", "linger_groups", "prefork", "preload", "stop_at_exit", "stop_zygote"]
 
 
 def forget_groups(groups: Sequence[int]) -> None:

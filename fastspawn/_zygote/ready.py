@@ -1,0 +1,588 @@
+"""Ready workers: processes the zygote forks ahead of any launch, each
+waiting on a socketpair of its own for the rank it is to become.
+
+A launch then costs a message per rank instead of a fork: the zygote puts
+the ready worker in the launch's process group (setpgid on its child, which
+has not exec'd) and sends it the rank, the launch's channel and payload
+memfd, the fds its arguments carry, its stdio and, for a multiprocessing
+process, its link.  The worker does what the zygote does for forked ranks
+(takes on the caller's environment, cwd and sys.path as of the launch,
+imports its ``preload=``, unpickles fn and args) and then what every forked
+rank does (fastspawn._worker.forked.forked_child).  The ranks a launch
+needs beyond the ready ones are forked as before.
+
+Each ready worker is forked by the same C loop as a launch's ranks
+(PR_SET_PDEATHSIG against the zygote, checked; the workers' signal
+handlers), and runs that wake path once on the zygote's own state before it
+waits, so that the pages the wake writes are copied then, not while the
+caller waits (benchmarks/README.md, issue 31: 3.2x the bare pre-forked
+floor without that, 1.46x with it).
+
+How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
+least n so; after a launch of forked ranks ends, as many workers as it had
+are made ready again while the zygote is idle (no message for 10 ms, no
+launch in the last 100 ms), up to FASTSPAWN_READY (default 256; 0: never
+in the background).  ``prefork(n, refill=False)``: n now, none made ready
+again after (``prefork(0, refill=False)`` turns ready workers off).  Never
+more than a quarter of the caller's RLIMIT_NPROC, nor of its
+RLIMIT_NOFILE (each holds one of the zygote's fds), nor while less than
+``MIN_AVAILABLE`` of memory is available.  New modules in the zygote
+(``preload()``, a launch's imports) retire the ready ones: they lack them.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+import weakref
+
+from fastspawn._os import oscall
+from fastspawn._wire import channel as _channel
+from fastspawn._wire import pickling
+from fastspawn._worker import forked as worker_forked
+from fastspawn._worker import runner
+from fastspawn._worker import spawned as worker_spawned
+from fastspawn._worker import stacks as worker_stacks
+from fastspawn._worker import stdio as worker_stdio
+from fastspawn._zygote import link, protocol
+from fastspawn._zygote.forking import set_up_child
+from fastspawn._zygote.launch import LaunchStdio, adopt_tracker, import_all, take_on_caller
+from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any, NoReturn
+
+# A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
+# caller's leak checks tell it from a worker (client.helper_processes).
+READY_NAME = "fastspawn-ready"
+# The background's default cap, and the setting that changes it.
+DEFAULT_CAP = 256
+CAP_VARIABLE = "FASTSPAWN_READY"
+# No background refill while less memory than this is available
+# (MemAvailable), or than a tenth of the machine's.
+MIN_AVAILABLE = 512 << 20
+REFILL_BATCH = 16  # forked in one idle moment at most, then the zygote looks at its fds
+REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
+QUIET_AFTER_LAUNCH = 0.1  # seconds after a launch before refilling: its ranks come up
+
+# A rank's assignment: the rank, how many of the fds its arguments carry,
+# which optional fds follow those, where fn and args start in the payload;
+# then the launch's Brief.
+_ASSIGN = struct.Struct("=iiBI")
+_OUT, _ERR, _IN, _LINK = 1, 2, 4, 8
+# The worker was forked with the caller's environment, cwd and sys.path as
+# the launch has them: it skips the header.
+_SAME_STATE = 16
+
+
+def cap_from_environment(environ: dict[str, str] | os._Environ[str]) -> int:
+    """The background's cap, from FASTSPAWN_READY (a count; 0: off)."""
+    raw = environ.get(CAP_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_CAP
+    try:
+        cap = int(raw)
+    except ValueError:
+        cap = -1
+    if cap < 0:
+        print(
+            f"fastspawn: {CAP_VARIABLE}={raw!r} is not a count of workers (0 turns ready "
+            f"workers off); using {DEFAULT_CAP}",
+            file=sys.stderr,
+        )
+        return DEFAULT_CAP
+    return cap
+
+
+def room_under_limits(ready: int) -> int:
+    """How many more workers may be made ready under this process's limits
+    (the caller's, as the zygote started): a quarter of RLIMIT_NPROC in
+    all, a quarter of RLIMIT_NOFILE (each holds one of the zygote's fds
+    while it waits), and none while memory is short."""
+    import resource
+
+    room = sys.maxsize
+    for limit in (resource.RLIMIT_NPROC, resource.RLIMIT_NOFILE):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY:
+            room = min(room, max(0, soft // 4 - ready))
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = {line.split(b":")[0]: int(line.split()[1]) << 10 for line in f}
+        if info[b"MemAvailable"] < max(MIN_AVAILABLE, info[b"MemTotal"] // 10):
+            room = 0
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    return room
+
+
+class ReadyPool:
+    """The zygote's ready workers: pid -> our end of its socketpair, oldest
+    first."""
+
+    def __init__(self, me: int, signals: Signals, state: dict[str, Any]) -> None:
+        self.me = me
+        self.signals = signals
+        self.state = state  # the zygote's process state, for links (Forker.state)
+        self.waiting: dict[int, socket.socket] = {}
+        # The zygote's environment, cwd and sys.path change with launches:
+        # each change is a new generation, and each ready worker was forked
+        # in one (pid -> generation).
+        self.generation = 0
+        self.born: dict[int, int] = {}
+        self.cap = cap_from_environment(os.environ)
+        self.asked = 0  # prefork(n)'s n: kept ready whatever the cap
+        self.owed = 0  # workers of ended launches, to be made ready again
+        self.quiet_until = 0.0  # no background refill before (time.monotonic())
+        self.fork_time = 0.001  # seconds a ready worker took to make, the last time
+
+    def fds(self) -> list[int]:
+        return [end.fileno() for end in self.waiting.values()]
+
+    def wanted(self) -> int:
+        """How many more to make ready in the background now."""
+        background = min(self.owed, self.cap - len(self.waiting))
+        return max(self.asked - len(self.waiting), background, 0)
+
+    def refill_delay(self) -> float | None:
+        """Seconds before a refill may start (None: none wanted)."""
+        if self.wanted() <= 0:
+            return None
+        return max(0.01, self.quiet_until - time.monotonic())
+
+    def launched(self) -> None:
+        """A launch started: its ranks come up, no refill for a while."""
+        self.quiet_until = time.monotonic() + QUIET_AFTER_LAUNCH
+
+    def ended(self, size: int) -> None:
+        """A launch of ``size`` forked ranks ended: as many are owed."""
+        if self.cap > 0:
+            self.owed = min(self.cap, self.owed + size)
+
+    def refill(self, close_fds: Sequence[int]) -> None:
+        """One idle moment's refill: as many as fork in about REFILL_SLICE
+        (REFILL_BATCH at most), so that a launch coming meanwhile waits
+        that long at most."""
+        batch = max(1, min(REFILL_BATCH, int(REFILL_SLICE / self.fork_time)))
+        count = min(self.wanted(), batch)
+        started = time.monotonic()
+        made = self.fill(count, close_fds)
+        self.owed = max(0, self.owed - made)
+        if made:
+            self.fork_time = (time.monotonic() - started) / made
+        if made < count:
+            # The limits stop it: nothing more owed, and what prefork() asked
+            # for is tried again in a second, not at every idle moment.
+            self.owed = 0
+            self.quiet_until = time.monotonic() + 1.0
+
+    def prefork(self, count: int, refill: bool, close_fds: Sequence[int]) -> int:
+        """prefork(count, refill=refill): ``count`` ready now (fewer ready
+        are retired); with ``refill``, kept so, and the background on (up
+        to its cap), else neither.  How many are ready."""
+        self.asked = count if refill else 0
+        self.cap = cap_from_environment(os.environ) if refill else 0
+        self.owed = 0
+        while len(self.waiting) > count:
+            pid = next(iter(self.waiting))
+            self.gone(pid)
+            _kill(pid)
+        # Each worker made now closes its copy of ``warm_w`` once warmed
+        # up: its EOF says they all have.
+        warm_r, warm_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            while len(self.waiting) < count:
+                batch = min(count - len(self.waiting), 256)
+                if not self.fill(batch, [*close_fds, warm_r], warm_w):
+                    break
+            os.close(warm_w)
+            warm_w = -1
+            deadline = time.monotonic() + 10.0
+            while oscall.wait_readable([warm_r], max(0.0, deadline - time.monotonic())):
+                if not os.read(warm_r, 4096):
+                    break
+        finally:
+            os.close(warm_r)
+            if warm_w >= 0:
+                os.close(warm_w)
+        return len(self.waiting)
+
+    def fill(self, count: int, close_fds: Sequence[int], warm_fd: int = -1) -> int:
+        """Fork up to ``count`` ready workers, within the limits; how many.
+        Each closes ``warm_fd`` (if given) once warmed up."""
+        count = min(count, room_under_limits(len(self.waiting)))
+        pairs: list[tuple[socket.socket, socket.socket]] = []
+        try:
+            for _ in range(count):
+                pairs.append(socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+        except OSError:
+            pass  # out of fds: as many as there are pairs
+        if not pairs:
+            return 0
+        signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
+        pids: list[int] = []
+        try:
+            unlent = self.signals.lend()
+            loop = oscall.ForkLoop(
+                len(pairs), self.me, 0, signal.SIGKILL, () if unlent else ZYGOTE_SIGNALS
+            )
+            rank = loop.fork()
+            if rank != -1:
+                _in_ready_worker(loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state)
+            pids = loop.pids
+        finally:
+            self.signals.take_back()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
+        for index, (ours, theirs) in enumerate(pairs):
+            theirs.close()
+            if index < len(pids):
+                self.waiting[pids[index]] = ours
+                self.born[pids[index]] = self.generation
+            else:
+                ours.close()
+        return len(pids)
+
+    def wake(
+        self,
+        header: protocol.LaunchHeader,
+        offset: int,
+        tx: int,
+        payload: int,
+        user_fds: Sequence[int],
+        stdio: LaunchStdio,
+        links: Sequence[socket.socket],
+        group: int,
+    ) -> list[int]:
+        """Give the first ranks of a launch to ready workers: their pids,
+        rank by rank (fewer than nprocs when too few are ready).  A worker
+        that cannot take its rank (dead meanwhile) is killed, and the next
+        one takes it.  ``offset``: where fn and args start in the payload."""
+        pids: list[int] = []
+        brief = Brief(header).encode()
+        while self.waiting and len(pids) < header.nprocs:
+            pid = next(iter(self.waiting))
+            ours = self.waiting.pop(pid)
+            same = self.born.pop(pid) == self.generation
+            rank = len(pids)
+            fds, flags = [tx, payload, *user_fds], _SAME_STATE if same else 0
+            own, _unused = stdio.for_rank(rank)
+            for bit, fd in zip((_OUT, _ERR), own or (-1, -1), strict=True):
+                if fd >= 0:
+                    fds.append(fd)
+                    flags |= bit
+            if stdio.caller_in is not None:
+                fds.append(stdio.caller_in)
+                flags |= _IN
+            if links:
+                fds.append(links[2 * rank + 1].fileno())
+                flags |= _LINK
+            message = _ASSIGN.pack(rank, len(user_fds), flags, offset) + brief
+            try:
+                if group:
+                    os.setpgid(pid, group)
+                socket.send_fds(ours, [message], fds)
+            except OSError:
+                _kill(pid)  # our unreaped child: the pid is its own
+                continue
+            finally:
+                ours.close()
+            pids.append(pid)
+        return pids
+
+    def usable_for(self, header: protocol.LaunchHeader) -> bool:
+        """Whether a launch may take ready workers: forked ranks, the fds
+        for one message, and no RLIMIT_NPROC of the caller's own (its
+        ranks are then forked under it, as the caller's fork would be)."""
+        import resource
+
+        limits = header.process_state.get("rlimits", {})
+        return (
+            bool(self.waiting)
+            and header.binary is None
+            and header.user_fds + 6 <= _channel.MAX_FDS
+            and resource.RLIMIT_NPROC not in limits
+        )
+
+    def gone(self, pid: int) -> None:
+        """A child was reaped: if a ready worker, it is not ready now."""
+        ours = self.waiting.pop(pid, None)
+        self.born.pop(pid, None)
+        if ours is not None:
+            ours.close()
+
+    def retire(self) -> None:
+        """Kill every ready worker (reaped as any exited child is)."""
+        self.owed = min(max(self.cap, self.asked), self.owed + len(self.waiting))
+        for pid, ours in self.waiting.items():
+            ours.close()
+            _kill(pid)
+        self.waiting.clear()
+        self.born.clear()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ------------------------------------------------------------ in the worker
+
+
+def _in_ready_worker(
+    loop: oscall.ForkLoop,
+    index: int,
+    pairs: Sequence[tuple[socket.socket, socket.socket]],
+    close_fds: Sequence[int],
+    warm_fd: int,
+    unlent: set[int],
+    zygote: int,
+    state: dict[str, Any],
+) -> NoReturn:
+    """A freshly forked ready worker: warm up, wait for a rank, become it."""
+    try:
+        set_up_child(loop, index, unlent)
+        mine = pairs[index][1]
+        for ours, theirs in pairs:
+            ours.close()
+            if theirs is not mine:
+                theirs.close()
+        for fd in close_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        # Waiting, a Ctrl-C meant for the caller is not ours (restored as
+        # lent once a rank comes).
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        name = _rename(READY_NAME)
+        stacks_fd = _arm_stacks_ahead()
+        _warm_up()
+        if warm_fd >= 0:
+            os.close(warm_fd)  # prefork() waits for that
+        message, fds, _flags = _channel.recv_fds(mine, 4096, _channel.MAX_FDS)
+        if not message:
+            os._exit(0)  # retired
+        mine.close()
+        _rename(name)
+        signal.signal(signal.SIGINT, interrupt)
+        _become(message, fds, zygote, state, stacks_fd)
+    except BaseException:
+        runner.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _rename(name: str) -> str:
+    """Set this process's name (/proc/self/comm); the old one."""
+    try:
+        with open("/proc/self/comm", "r+b", buffering=0) as f:
+            old = f.read().decode().strip()
+            f.write(name.encode())
+        return old
+    except OSError:
+        return name
+
+
+def _noop() -> None:
+    pass
+
+
+def _arm_stacks_ahead() -> int:
+    """Register the stack dump now, on a memfd of its own that the rank's
+    (named for its rank, see _stacks_for) replaces at the wake: the
+    registration's page copies are paid here.  Its fd, -1 if out of fds."""
+    try:
+        fd = worker_stacks.stacks_memfd(-1)
+    except OSError:
+        return -1
+    faulthandler.register(worker_stacks.STACKS_SIGNAL, file=fd, all_threads=True)
+    return fd
+
+
+def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
+    """At the wake: the stack dump armed into a memfd named for ``rank``
+    (as every forked rank's), or, with stacks off, none."""
+    if fd < 0:
+        if wanted:
+            worker_stacks.arm_stacks(rank)
+        return
+    if wanted:
+        try:
+            named = worker_stacks.stacks_memfd(rank)
+        except OSError:
+            named = -1
+        if named >= 0:
+            os.dup2(named, fd, inheritable=False)
+            os.close(named)
+            return
+    faulthandler.unregister(worker_stacks.STACKS_SIGNAL)
+    os.close(fd)
+
+
+def _warm_up() -> None:
+    """Run the wake path on the zygote's own state (its environment, cwd
+    and sys.path, which a launch's header will mostly repeat), both ways a
+    wake may go, so that the pages it writes are this worker's before a
+    launch waits for it."""
+    header = protocol.LaunchHeader(
+        nprocs=1,
+        daemon=False,
+        preload=(),
+        sys_path=sys.path,
+        env=os.environ,
+        cwd=os.getcwd(),
+        envs={},
+        process_group=False,
+        process_state={},
+        tracker_index=None,
+        user_fds=0,
+        stdio_slots=(),
+        default_stdio=2,
+    )
+    encoded = header.encode()
+    brief = pickle.loads(Brief(header).encode())
+    for same_state in (False, True):
+        memfd = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
+        try:
+            os.write(memfd, encoded + pickle.dumps((_noop, ()), pickle.HIGHEST_PROTOCOL))
+        except BaseException:
+            os.close(memfd)
+            raise
+        payload = worker_spawned.read_payload(memfd)
+        if same_state:
+            payload.seek(len(encoded))
+            _unpickle(None, brief, payload, [])
+        else:
+            _unpickle(protocol.LaunchHeader.decode(payload), brief, payload, [])
+    worker_stdio.whole_lines()
+
+
+class Brief:
+    """What a ready worker needs of a launch's header beyond the caller's
+    environment, cwd and sys.path: sent with each rank's assignment,
+    pickled once per launch, so that a worker forked with that state
+    already reads no more (see _SAME_STATE)."""
+
+    __slots__ = (
+        "daemon",
+        "envs",
+        "process_state",
+        "stacks",
+        "tracker_index",
+        "line_buffered",
+        "preload",
+    )
+    daemon: bool
+    envs: dict[int, dict[str, str]]
+    process_state: dict[str, Any]
+    stacks: bool
+    tracker_index: int | None
+    line_buffered: bool
+    preload: list[str]
+
+    def __init__(self, header: protocol.LaunchHeader) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(header, name))
+
+    def encode(self) -> bytes:
+        return pickle.dumps(self, pickle.HIGHEST_PROTOCOL)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _brief, tuple(getattr(self, name) for name in self.__slots__)
+
+
+def _brief(*values: Any) -> Brief:
+    brief = Brief.__new__(Brief)
+    for name, value in zip(Brief.__slots__, values, strict=True):
+        setattr(brief, name, value)
+    return brief
+
+
+def _unpickle(
+    header: protocol.LaunchHeader | None, brief: Brief, payload: Any, user_fds: Sequence[int]
+) -> tuple[Any, Any, str | None]:
+    """What Zygote.prepare does, here (``header`` None: the caller's state
+    is this process's already): (fn, args, None), or (None, (), traceback)
+    when that failed (the rank then reports it)."""
+    fn: Any = None
+    args: Any = ()
+    error = None
+    try:
+        if header is not None:
+            take_on_caller(header, user_fds, _noop)
+        else:
+            import_all(brief.preload, strict=True)
+            pickling.inherited_fds[:] = user_fds
+            if brief.tracker_index is not None:
+                adopt_tracker(user_fds[brief.tracker_index])
+        fn, args = pickle.load(payload)
+    except BaseException:
+        error = traceback.format_exc()
+    finally:
+        for fd in user_fds:
+            os.close(fd)  # unpickled objects hold their own dups
+        pickling.inherited_fds[:] = []
+        payload.close()
+    return fn, args, error
+
+
+def _become(
+    message: bytes, fds: list[int], zygote: int, state: dict[str, Any], stacks_fd: int
+) -> NoReturn:
+    """Become the rank assigned by ``message``: what Zygote.launch and
+    Forker.fork_ranks do for a forked rank, then forked_child."""
+    rank, user_count, flags, offset = _ASSIGN.unpack_from(message)
+    brief: Brief = pickle.loads(message[_ASSIGN.size :])
+    tx = socket.socket(fileno=fds[0])
+    payload = worker_spawned.read_payload(fds[1])
+    extra = iter(fds[2 + user_count :])
+    out = next(extra) if flags & _OUT else -1
+    err = next(extra) if flags & _ERR else -1
+    stdin = next(extra) if flags & _IN else -1
+    own_link = next(extra) if flags & _LINK else None
+    if flags & _SAME_STATE:
+        # The caller's environment, cwd and sys.path are those this worker
+        # was forked with (the zygote's since): no need to read them.
+        payload.seek(offset)
+        header = None
+    else:
+        header = protocol.LaunchHeader.decode(payload)
+    fn, args, payload_error = _unpickle(header, brief, payload, fds[2 : 2 + user_count])
+    _stacks_for(rank, brief.stacks, stacks_fd)
+    spec = worker_forked.ForkSpec(
+        zygote,
+        fn,
+        args,
+        tx,
+        daemon=brief.daemon,
+        envs=brief.envs,
+        payload_error=payload_error,
+        stdin=stdin,
+        process_state=brief.process_state,
+        from_zygote=True,
+    )
+    spec.parent_death_armed = True  # by the fork loop
+    # What exists now is the zygote's as far as the rank's exit goes, as for
+    # a rank forked after the zygote unpickled (Forker.worker_spec).
+    runner.zygote_finalizer_index = runner.next_finalizer_index(weakref.finalize)
+    logging = sys.modules.get("logging")
+    runner.zygote_handlers = len(getattr(logging, "_handlerList", ()))
+    if brief.line_buffered:
+        worker_stdio.line_buffer_stdout()
+    if "numpy.random" in sys.modules:
+        worker_forked.reseed()
+    if own_link is not None:
+        link.use(socket.socket(fileno=own_link), zygote, state)
+    stdio = None if out == err == -1 else [out, err]
+    worker_forked.forked_child(spec, rank, stdio)

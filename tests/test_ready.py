@@ -1,0 +1,303 @@
+"""Ready workers (issue 31): ranks taken from workers the zygote forked
+ahead are indistinguishable from ranks forked at launch time, never carry
+an earlier launch's code, die with the caller or the zygote, and stay
+within the cap and the caller's limits."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import mp_targets
+import pytest
+import workers
+from helpers import gone, kill_driver
+
+import fastspawn
+from fastspawn._zygote import client
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+DEADLINE = 10.0  # seconds: a generous bound on what should be quick
+
+
+def ready_now() -> set[int]:
+    zygote = client.zygote_pid()
+    assert zygote is not None
+    return client.ready_workers(zygote)
+
+
+def prefork(count: int) -> set[int]:
+    """``count`` ready workers in this process's zygote, none made ready
+    in the background after (a refill in the middle would make some ranks
+    ready, some not, by timing): their pids."""
+    assert fastspawn.prefork(count, refill=False) == count
+    ready = ready_now()
+    assert len(ready) >= count
+    return ready
+
+
+@pytest.fixture
+def no_background_refill():
+    """A zygote of the test's own, which makes workers ready only when
+    asked (see prefork above); the background is on again after."""
+    fastspawn.stop_zygote()  # no state of earlier tests' launches in it
+    fastspawn.start_processes(workers.succeed, nprocs=1)
+    fastspawn.prefork(0, refill=False)
+    yield
+    fastspawn.prefork(0)
+
+
+def differences(states: dict[int, dict]) -> dict[str, dict[int, object]]:
+    """What differs between ranks, but for what must differ."""
+    keys = set().union(*states.values()) - {"pid", "random"}
+    seen = {}
+    for key in sorted(keys):
+        values = {rank: state[key] for rank, state in states.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            seen[key] = values
+    return seen
+
+
+def test_ready_and_forked_ranks_of_one_launch_are_alike(
+    no_background_refill, tmp_path, monkeypatch
+):
+    """Two ranks from ready workers, two forked at launch, the caller's
+    state changed in between: the same environment, cwd, umask, sys.path,
+    limits, signal dispositions and mask, fds (stack file armed), name,
+    process group; their own pids and random states."""
+    monkeypatch.setenv("FASTSPAWN_TEST_GONE", "set before prefork")
+    fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote has it too
+    ready = prefork(2)
+    monkeypatch.setenv("FASTSPAWN_TEST_READY", "changed after prefork")
+    monkeypatch.delenv("FASTSPAWN_TEST_GONE")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    old_mask = os.umask(0o027)
+    old_core = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, old_core[1]))
+    try:
+        ctx = fastspawn.start_processes(workers.rank_state, nprocs=4)
+    finally:
+        os.umask(old_mask)
+        resource.setrlimit(resource.RLIMIT_CORE, old_core)
+    states = ctx.return_values
+    assert {states[0]["pid"], states[1]["pid"]} <= ready
+    assert not {states[2]["pid"], states[3]["pid"]} & ready
+    assert differences(states) == {}
+    for state in states.values():
+        assert state["env"]["FASTSPAWN_TEST_READY"] == "changed after prefork"
+        assert "FASTSPAWN_TEST_GONE" not in state["env"]
+        assert state["cwd"] == str(tmp_path)
+        assert state["sys.path"][0] == str(tmp_path)
+        assert state["umask"] == 0o027
+        assert state["limits"]["RLIMIT_CORE"] == (0, old_core[1])
+        assert "/memfd:fastspawn-stacks:RANK" in state["fds"]
+        assert state["comm"] != "fastspawn-ready"
+        assert state["ppid"] == client.zygote_pid()
+    assert len({state["pid"] for state in states.values()}) == 4
+    assert len({state["random"] for state in states.values()}) == 4
+
+
+def test_each_launch_from_ready_workers_draws_fresh_random_numbers(no_background_refill):
+    draws = []
+    for _ in range(2):
+        ready = prefork(3)
+        ctx = fastspawn.start_processes(workers.pid_and_random, nprocs=3)
+        assert {pid for pid, _draw in ctx.return_values.values()} <= ready
+        draws += [draw for _pid, draw in ctx.return_values.values()]
+    assert len(set(draws)) == 6
+
+
+def test_ready_workers_run_only_their_own_launchs_code(no_background_refill):
+    """A worker made ready after a launch unpickles and runs the next
+    launch's fn and arguments, never the earlier one's."""
+    fastspawn.start_processes(workers.total, args=([1, 2, 3],), nprocs=2)
+    ready = prefork(2)
+    ctx = fastspawn.start_processes(workers.pid_and_random, nprocs=2)
+    assert {pid for pid, _draw in ctx.return_values.values()} == ready
+    ready = prefork(2)
+    ctx = fastspawn.start_processes(workers.total, args=([4, 5],), nprocs=2)
+    assert ctx.return_values == {0: 9, 1: 10}  # sum(values) + rank
+    assert not ready_now() & ready
+
+
+def test_a_failing_unpickle_in_a_ready_worker_reports_the_traceback(no_background_refill):
+    """As a forked rank reports the zygote's failure to unpickle."""
+    prefork(1)
+    argument = workers.UnpicklableByWorkers(client.zygote_pid())
+    with pytest.raises(fastspawn.ProcessRaisedException, match="no_such_module_for_ready"):
+        fastspawn.start_processes(workers.total, args=(argument,), nprocs=1)
+
+
+def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
+    """A fastspawn context's Process taken from a ready worker: its parent
+    is the caller, and a Process it starts comes from the same zygote."""
+    ready = prefork(1)
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    ctx = fastspawn.get_context("fastspawn")
+    process = ctx.Process(target=mp_targets.start_a_process, args=("fastspawn", queue))
+    process.start()
+    try:
+        assert process.pid in ready
+        said = sorted([queue.get(), queue.get()], key=len)  # ("started", pid) first
+        (started, inner), report = said
+        assert started == "started"
+        assert report == (inner, client.zygote_pid(), process.pid, True)
+    finally:
+        process.terminate()
+        process.join(DEADLINE)
+        process.close()
+    assert queue.get() == ("parent alive", False)
+    deadline = time.monotonic() + DEADLINE
+    while not gone(inner) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(inner)
+    queue.close()
+
+
+def test_preload_retires_the_ready_workers(no_background_refill):
+    ready = prefork(2)
+    fastspawn.preload(["tabnanny"])
+    deadline = time.monotonic() + DEADLINE
+    while not all(gone(pid) for pid in ready) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(gone(pid) for pid in ready)
+    ctx = fastspawn.start_processes(workers.module_loaded, args=("tabnanny",), nprocs=1)
+    assert ctx.return_values == {0: True}
+
+
+def test_prefork_zero_releases_them_and_the_background_stays(no_background_refill):
+    ready = prefork(2)
+    assert fastspawn.prefork(0) == 0
+    deadline = time.monotonic() + DEADLINE
+    while not all(gone(pid) for pid in ready) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(gone(pid) for pid in ready)
+    fastspawn.start_processes(workers.succeed, nprocs=2)
+    while len(ready_now()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(ready_now()) == 2
+
+
+def test_prefork_checks_its_argument():
+    with pytest.raises(TypeError, match="prefork"):
+        fastspawn.prefork("2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        fastspawn.prefork(-1)
+
+
+DRIVER = """
+import os, resource, sys, time
+import fastspawn, workers
+from fastspawn._zygote import client
+
+def ready():
+    return client.ready_workers(client.zygote_pid())
+
+def settle(count):
+    deadline = time.monotonic() + 10
+    while len(ready()) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # what more a refill would make, it has made
+    return len(ready())
+
+case = sys.argv[1]
+if case == "background":
+    fastspawn.start_processes(workers.succeed, nprocs=4)
+    print(settle(4), flush=True)
+    fastspawn.start_processes(workers.succeed, nprocs=3)
+    print(settle(4), flush=True)
+elif case == "nproc":
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(sys.argv[2]), hard))
+    print(fastspawn.prefork(int(sys.argv[3])), flush=True)
+    # The caller's limit changed since the zygote started: its ranks are
+    # forked under it, not taken from ready workers.
+    before = ready()
+    resource.setrlimit(resource.RLIMIT_NPROC, (int(sys.argv[2]) + 1, hard))
+    ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=2)
+    print(len({pid for pid, _ in ctx.return_values.values()} & before), flush=True)
+elif case == "off":
+    fastspawn.start_processes(workers.succeed, nprocs=2)
+    print(settle(0), flush=True)
+    print(fastspawn.prefork(2), len(ready()), flush=True)
+    fastspawn.prefork(0, refill=False)
+    fastspawn.start_processes(workers.succeed, nprocs=2)
+    print(settle(0), flush=True)
+elif case == "kill":
+    fastspawn.prefork(4)
+    print(os.getpid(), client.zygote_pid(), *sorted(ready()), flush=True)
+    time.sleep(600)
+"""
+
+
+def run_driver(*args: str, env: dict[str, str] | None = None) -> list[str]:
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]), **(env or {}))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DRIVER), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_a_launch_that_ended_is_made_ready_again_up_to_the_cap():
+    assert run_driver("background") == ["4", "4"]
+    assert run_driver("background", env={"FASTSPAWN_READY": "2"}) == ["2", "2"]
+
+
+def test_ready_workers_off():
+    """FASTSPAWN_READY=0: none in the background, prefork() still makes
+    them; prefork(0, refill=False) releases them and turns the background
+    off."""
+    assert run_driver("off", env={"FASTSPAWN_READY": "0"}) == ["0", "2", "2", "0"]
+    assert run_driver("off")[1:] == ["2", "2", "0"]
+
+
+def test_ready_workers_stay_within_a_quarter_of_rlimit_nproc():
+    own = sum(1 for name in os.listdir("/proc") if name.isdigit())
+    limit = own + 200  # room for the driver's own processes whatever the machine
+    assert run_driver("nproc", str(limit), str(limit)) == [str(limit // 4), "0"]
+
+
+@pytest.mark.parametrize("victim", ["caller", "zygote"])
+def test_ready_workers_die_with_the_caller_and_the_zygote(victim):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(DRIVER), "kill"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert driver.stdout is not None
+        caller, zygote, *ready = map(int, driver.stdout.readline().split())
+        assert len(ready) == 4
+        os.kill(caller if victim == "caller" else zygote, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        while not all(gone(pid) for pid in ready) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [pid for pid in ready if not gone(pid)] == []
+    finally:
+        kill_driver(driver)
+
+
+@pytest.mark.version_neutral
+def test_a_thousand_launches_with_refills_leave_nothing(no_background_refill):
+    """The leak fixture checks what is left; here, that ready workers took
+    part: each tenth launch finds some made ready by prefork()."""
+    from_ready = 0
+    for launch in range(1000):
+        ready = prefork(2) if launch % 10 == 0 else set()
+        ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=1)
+        from_ready += ctx.return_values[0][0] in ready
+    assert from_ready == 100
