@@ -1,7 +1,11 @@
 """Ready workers (issue 31): ranks taken from workers the zygote forked
 ahead are indistinguishable from ranks forked at launch time, never carry
 an earlier launch's code, die with the caller or the zygote, and stay
-within the cap and the caller's limits."""
+within the cap and the caller's limits.
+
+Where a rank's state could depend on the Python version (the first tests)
+they run on every version; the rest on CI's first only (version_neutral:
+the 30-minute budget)."""
 
 from __future__ import annotations
 
@@ -114,6 +118,7 @@ def test_each_launch_from_ready_workers_draws_fresh_random_numbers(no_background
     assert len(set(draws)) == 6
 
 
+@pytest.mark.version_neutral
 def test_ready_workers_run_only_their_own_launchs_code(no_background_refill):
     """A worker made ready after a launch unpickles and runs the next
     launch's fn and arguments, never the earlier one's."""
@@ -135,6 +140,7 @@ def test_a_failing_unpickle_in_a_ready_worker_reports_the_traceback(no_backgroun
         fastspawn.start_processes(workers.total, args=(argument,), nprocs=1)
 
 
+@pytest.mark.version_neutral
 def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
     """A fastspawn context's Process taken from a ready worker: its parent
     is the caller, and a Process it starts comes from the same zygote."""
@@ -161,6 +167,7 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
     queue.close()
 
 
+@pytest.mark.version_neutral
 def test_preload_retires_the_ready_workers(no_background_refill):
     ready = prefork(2)
     fastspawn.preload(["tabnanny"])
@@ -172,6 +179,7 @@ def test_preload_retires_the_ready_workers(no_background_refill):
     assert ctx.return_values == {0: True}
 
 
+@pytest.mark.version_neutral
 def test_prefork_zero_releases_them_and_the_background_stays(no_background_refill):
     ready = prefork(2)
     assert fastspawn.prefork(0) == 0
@@ -250,11 +258,13 @@ def run_driver(*args: str, env: dict[str, str] | None = None) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.version_neutral
 def test_a_launch_that_ended_is_made_ready_again_up_to_the_cap():
     assert run_driver("background") == ["4", "4"]
     assert run_driver("background", env={"FASTSPAWN_READY": "2"}) == ["2", "2"]
 
 
+@pytest.mark.version_neutral
 def test_ready_workers_off():
     """FASTSPAWN_READY=0: none in the background, prefork() still makes
     them; prefork(0, refill=False) releases them and turns the background
@@ -263,12 +273,14 @@ def test_ready_workers_off():
     assert run_driver("off")[1:] == ["2", "2", "0"]
 
 
+@pytest.mark.version_neutral
 def test_ready_workers_stay_within_a_quarter_of_rlimit_nproc():
     own = sum(1 for name in os.listdir("/proc") if name.isdigit())
     limit = own + 200  # room for the driver's own processes whatever the machine
     assert run_driver("nproc", str(limit), str(limit)) == [str(limit // 4), "0"]
 
 
+@pytest.mark.version_neutral
 @pytest.mark.parametrize("victim", ["caller", "zygote"])
 def test_ready_workers_die_with_the_caller_and_the_zygote(victim):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))

@@ -19,11 +19,13 @@ caller waits (benchmarks/README.md, issue 31: 3.2x the bare pre-forked
 floor without that, 1.46x with it).
 
 How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
-least n so; after a launch of forked ranks ends, as many workers as it had
-are made ready again while the zygote is idle (no message for 10 ms, no
-launch in the last 100 ms), up to FASTSPAWN_READY (default 256; 0: never
-in the background).  ``prefork(n, refill=False)``: n now, none made ready
-again after (``prefork(0, refill=False)`` turns ready workers off).  Never
+least n so; after a launch of forked ranks ends (multiprocessing
+processes: once they began, as the next are due when they end), as many
+workers as it had are made ready again while the zygote is idle (no
+message for 10 ms, no launch in the last 10 ms and 2 ms per rank it had),
+up to FASTSPAWN_READY (default 256; 0: never in the background).
+``prefork(n, refill=False)``: n now, none made ready again after
+(``prefork(0, refill=False)`` turns ready workers off).  Never
 more than a quarter of the caller's RLIMIT_NPROC, nor of its
 RLIMIT_NOFILE (each holds one of the zygote's fds), nor while less than
 ``MIN_AVAILABLE`` of memory is available.  New modules in the zygote
@@ -72,7 +74,10 @@ CAP_VARIABLE = "FASTSPAWN_READY"
 MIN_AVAILABLE = 512 << 20
 REFILL_BATCH = 16  # forked in one idle moment at most, then the zygote looks at its fds
 REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
-QUIET_AFTER_LAUNCH = 0.1  # seconds after a launch before refilling: its ranks come up
+# No refill while a launch's ranks come up: for this long after it began,
+# and this long more per rank (seconds).
+QUIET_AFTER_LAUNCH = 0.01
+QUIET_PER_RANK = 0.002
 
 # A rank's assignment: the rank, how many of the fds its arguments carry,
 # which optional fds follow those, where fn and args start in the payload;
@@ -159,12 +164,14 @@ class ReadyPool:
             return None
         return max(0.01, self.quiet_until - time.monotonic())
 
-    def launched(self) -> None:
-        """A launch started: its ranks come up, no refill for a while."""
-        self.quiet_until = time.monotonic() + QUIET_AFTER_LAUNCH
+    def launched(self, nprocs: int) -> None:
+        """A launch began: its ranks come up, no refill for a while."""
+        quiet = QUIET_AFTER_LAUNCH + QUIET_PER_RANK * nprocs
+        self.quiet_until = max(self.quiet_until, time.monotonic() + quiet)
 
-    def ended(self, size: int) -> None:
-        """A launch of ``size`` forked ranks ended: as many are owed."""
+    def owe(self, size: int) -> None:
+        """A launch of ``size`` forked ranks ended (or, multiprocessing
+        processes, began): as many are to be made ready again."""
         if self.cap > 0:
             self.owed = min(self.cap, self.owed + size)
 

@@ -254,15 +254,20 @@ class Zygote:
         carry and the ranks' stdio fds, those that did not fit following in
         messages of their own."""
         tx = socket.socket(fileno=fds[0])
-        self.ready.launched()
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
         # The memfd stays open for the ready workers, which read it too.
         payload = worker_spawned.read_payload(fds[1], keep_open=True)
         header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
         header_size = payload.tell()
+        self.ready.launched(header.nprocs)
         launch = Launch(tx, header.nprocs, header.mp_process)
         launch.forked = header.binary is None
+        if header.mp_process:
+            # Multiprocessing's processes come again (a DataLoader's next
+            # epoch, a pool's next worker), and end only when the next are
+            # due: made ready again once these are up, not once they ended.
+            self.ready.owe(header.nprocs)
         saved_limits = procstate.adopt_open_files_limit(header.process_state)
         try:
             try:
@@ -472,8 +477,8 @@ class Zygote:
             launch, rank = entry
             (keep if launch.mp_process else drop).add(launch.group)
             launch.live -= 1
-            if launch.live == 0 and launch.forked:
-                self.ready.ended(launch.size)
+            if launch.live == 0 and launch.forked and not launch.mp_process:
+                self.ready.owe(launch.size)
             launch.exits += [rank, os.waitstatus_to_exitcode(status)]
             touched.add(launch)
         if keep or drop:  # a worker or a kept orphan ended: it may have left some
