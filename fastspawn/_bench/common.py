@@ -10,7 +10,15 @@ FLOOR = "floor"
 
 # name -> what it runs (for --help)
 METHOD_HELP: dict[str, str] = {
-    "fastspawn-zygote-warm": 'fastspawn.start_processes(start_method="zygote"), zygote running',
+    "fastspawn-zygote-warm": (
+        'fastspawn.start_processes(start_method="zygote"), zygote running, every rank '
+        "forked at launch (ready workers off)"
+    ),
+    "fastspawn-zygote-ready": "the same after fastspawn.prefork(nprocs): ranks from ready workers",
+    "fastspawn-zygote-refilled": (
+        "the second of two same-size launches, no prefork(): ranks from the workers the "
+        "zygote made ready in the background"
+    ),
     "fastspawn-zygote-cold": "the same after fastspawn.stop_zygote(): the launch starts it",
     "fastspawn-spawn": 'fastspawn.start_processes(start_method="spawn")',
     "fastspawn-fork": 'fastspawn.start_processes(start_method="fork")',

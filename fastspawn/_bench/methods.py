@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastspawn._bench.common import BenchError
@@ -218,27 +219,45 @@ class Method:
 
 
 class FastspawnMethod(Method):
-    def __init__(self, name: str, start_method: StartMethodName, cold: bool = False) -> None:
+    """``state``, for the zygote: "warm" (running, every rank forked),
+    "cold" (stopped before each round), "ready" (prefork(nprocs) before
+    each round), "refilled" (each round the second of two launches, its
+    ranks made ready by the zygote in the background)."""
+
+    def __init__(self, name: str, start_method: StartMethodName, state: str = "warm") -> None:
         super().__init__(name)
         self.start_method = start_method
-        self.cold = cold
+        self.state = state
         # After its launch a cold zygote is a warm one: the failure round
         # would repeat fastspawn-zygote-warm's.
-        self.failure_round = not cold
+        self.failure_round = state != "cold"
 
     def prepare(self, session: Session, nprocs: int) -> None:
         import fastspawn
         from fastspawn._launch.methods import registry
 
         method = registry.get(self.start_method)
-        if self.cold:
+        if self.state == "cold":
             fastspawn.stop_zygote()
-        elif method.supports_preload and not method.helper_pids():
+            return
+        if method.supports_preload and not method.helper_pids():
             # No zygote (it died?): start one and let it import this module
             # and the preloads, so that the timed launch finds it warm.
             fastspawn.start_processes(
                 _noop, nprocs=1, start_method=self.start_method, preload=list(session.imports)
             )
+        if not method.supports_preload:
+            return
+        if self.state == "warm":
+            fastspawn.prefork(0, refill=False)
+        elif self.state == "ready":
+            fastspawn.prefork(nprocs)
+        elif self.state == "refilled":
+            fastspawn.prefork(0)  # none ready: the background's only
+            fastspawn.start_processes(
+                _noop, nprocs=nprocs, start_method=self.start_method, preload=list(session.imports)
+            )
+            _await_ready(method, nprocs)
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         import fastspawn
@@ -265,6 +284,16 @@ class FastspawnMethod(Method):
 
 def _noop(rank: int) -> None:
     """A rank that does nothing: warms the zygote up."""
+
+
+def _await_ready(method: Any, nprocs: int) -> None:
+    """Wait (30 s at most) until the zygote has ``nprocs`` ready workers,
+    made in the background: its helper processes are its guard, itself and
+    those; then as long again, for the last ones' warm-up."""
+    started = time.monotonic()
+    while len(method.helper_pids()) < nprocs + 2 and time.monotonic() < started + 30:
+        time.sleep(0.01)
+    time.sleep(min(1.0, time.monotonic() - started))
 
 
 class MpMethod(Method):

@@ -167,6 +167,12 @@ costs more from a bigger process, and this is what one of the zygote's size
 costs.  floor-preforked and floor-preforked-sized are the floor of ready
 workers: the same helpers fork each round's ranks ahead, untimed, each
 waiting on a pipe, and the timed request wakes each with one write.
+fastspawn-zygote-warm forks every rank at launch (its prepare turns ready
+workers off); fastspawn-zygote-ready launches from ready workers (its
+prepare calls fastspawn.prefork(nprocs)); fastspawn-zygote-refilled is the
+second of two same-size launches with no prefork() call (its prepare
+launches once, untimed, and waits for the zygote to make the workers ready
+again in the background).
 
 Phases, per round, from t0 just before the launch call:
   created          the launch call returned: start_processes(join=False), the

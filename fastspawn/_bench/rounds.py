@@ -32,11 +32,12 @@ def make_method(name: str) -> Method:
     """The method called ``name`` (one of :data:`ALL_METHODS`)."""
     family, _, rest = name.partition("-")
     if family == "fastspawn":
-        # fastspawn-<method>, or fastspawn-<method>-warm / -cold for the
-        # default method, whose long-lived process a launch may find running.
+        # fastspawn-<method>, or fastspawn-<method>-warm / -cold / -ready /
+        # -refilled for the default method, whose long-lived process a
+        # launch may find running, and ready workers in it.
         method, _, state = rest.partition("-")
         # A name of METHOD_HELP, built from the registry's: one of its methods.
-        return FastspawnMethod(name, cast("StartMethodName", method), cold=state == "cold")
+        return FastspawnMethod(name, cast("StartMethodName", method), state or "warm")
     if family == "mp":
         return MpMethod(name, rest)
     if family == "torch":

@@ -200,6 +200,8 @@ _PANELS = [
 HEADLINE = "fastspawn-zygote-warm"
 SERIES_STYLE: dict[str, tuple[str, str]] = {
     HEADLINE: ("#000000", "o"),
+    "fastspawn-zygote-ready": ("#e6beff", "H"),
+    "fastspawn-zygote-refilled": ("#fabed4", "+"),
     "fastspawn-zygote-cold": ("#e6194b", "s"),
     "fastspawn-spawn": ("#4363d8", "^"),
     "fastspawn-fork": ("#3cb44b", "v"),
