@@ -68,13 +68,18 @@ def differences(states: dict[int, dict]) -> dict[str, dict[int, object]]:
     return seen
 
 
+@pytest.mark.parametrize("tracker", [False, True], ids=["alone", "with_a_resource_tracker"])
 def test_ready_and_forked_ranks_of_one_launch_are_alike(
-    no_background_refill, tmp_path, monkeypatch
+    no_background_refill, tmp_path, monkeypatch, tracker
 ):
     """Two ranks from ready workers, two forked at launch, the caller's
     state changed in between: the same environment, cwd, umask, sys.path,
     limits, signal dispositions and mask, fds (stack file armed), name,
     process group; their own pids and random states."""
+    if tracker:  # its pipe travels with every launch, as an argument's fd
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
     monkeypatch.setenv("FASTSPAWN_TEST_GONE", "set before prefork")
     fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote has it too
     ready = prefork(2)
@@ -93,7 +98,8 @@ def test_ready_and_forked_ranks_of_one_launch_are_alike(
     states = ctx.return_values
     assert {states[0]["pid"], states[1]["pid"]} <= ready
     assert not {states[2]["pid"], states[3]["pid"]} & ready
-    assert differences(states) == {}
+    different = differences(states)
+    assert different == {}, "\n".join(f"{key}: {value}" for key, value in different.items())
     for state in states.values():
         assert state["env"]["FASTSPAWN_TEST_READY"] == "changed after prefork"
         assert "FASTSPAWN_TEST_GONE" not in state["env"]
@@ -155,6 +161,12 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
         (started, inner), report = said
         assert started == "started"
         assert report == (inner, client.zygote_pid(), process.pid, True)
+        # The queue's reader may have the message before its writer let go
+        # of the queue's lock: terminated then, it would keep it from the
+        # inner process for ever.  Its sleep after it is the sign.
+        deadline = time.monotonic() + DEADLINE
+        while "nanosleep" not in _wchan(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         process.terminate()
         process.join(DEADLINE)
@@ -165,6 +177,15 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
         time.sleep(0.05)
     assert gone(inner)
     queue.close()
+
+
+def _wchan(pid: int) -> str:
+    """Where ``pid`` waits in the kernel ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 @pytest.mark.version_neutral
@@ -313,3 +334,19 @@ def test_a_thousand_launches_with_refills_leave_nothing(no_background_refill):
         ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=1)
         from_ready += ctx.return_values[0][0] in ready
     assert from_ready == 100
+
+
+def test_each_rank_from_a_ready_worker_gets_its_own_environment(no_background_refill):
+    """envs= (per-rank variables, as elastic ranks have): each rank has its
+    own and no other's, ready or forked."""
+    ready = prefork(2)
+    envs = {rank: {"FASTSPAWN_TEST_RANK_VAR": f"rank {rank}"} for rank in (0, 2)}
+    ctx = fastspawn.start_processes(
+        workers.report_env, args=(["FASTSPAWN_TEST_RANK_VAR"],), nprocs=3, envs=envs
+    )
+    assert ctx.return_values == {
+        0: {"FASTSPAWN_TEST_RANK_VAR": "rank 0"},
+        1: {"FASTSPAWN_TEST_RANK_VAR": None},
+        2: {"FASTSPAWN_TEST_RANK_VAR": "rank 2"},
+    }
+    assert set(ctx.pids()[:2]) == ready

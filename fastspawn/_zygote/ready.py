@@ -23,7 +23,7 @@ least n so; after a launch of forked ranks ends (multiprocessing
 processes: once they began, as the next are due when they end), as many
 workers as it had are made ready again while the zygote is idle (no
 message for 10 ms, no launch in the last 10 ms and 2 ms per rank it had),
-up to FASTSPAWN_READY (default 256; 0: never in the background).
+up to FASTSPAWN_READY (default 64; 0: never in the background).
 ``prefork(n, refill=False)``: n now, none made ready again after
 (``prefork(0, refill=False)`` turns ready workers off).  Never
 more than a quarter of the caller's RLIMIT_NPROC, nor of its
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 # caller's leak checks tell it from a worker (client.helper_processes).
 READY_NAME = "fastspawn-ready"
 # The background's default cap, and the setting that changes it.
-DEFAULT_CAP = 256
+DEFAULT_CAP = 64
 CAP_VARIABLE = "FASTSPAWN_READY"
 # No background refill while less memory than this is available
 # (MemAvailable), or than a tenth of the machine's.
@@ -80,9 +80,11 @@ QUIET_AFTER_LAUNCH = 0.01
 QUIET_PER_RANK = 0.002
 
 # A rank's assignment: the rank, how many of the fds its arguments carry,
-# which optional fds follow those, where fn and args start in the payload;
-# then the launch's Brief.
-_ASSIGN = struct.Struct("=iiBI")
+# which optional fds follow those, where fn and args start in the payload,
+# the length of the launch's Brief; then the Brief and, if the launch has
+# per-rank environments, the rank's (pickled).  _MAX_ASSIGN at most.
+_ASSIGN = struct.Struct("=iiBII")
+_MAX_ASSIGN = 65536
 _OUT, _ERR, _IN, _LINK = 1, 2, 4, 8
 # The worker was forked with the caller's environment, cwd and sys.path as
 # the launch has them: it skips the header.
@@ -163,6 +165,10 @@ class ReadyPool:
         if self.wanted() <= 0:
             return None
         return max(0.01, self.quiet_until - time.monotonic())
+
+    def refill_due(self) -> bool:
+        """Whether to make workers ready now (some wanted, quiet time over)."""
+        return self.wanted() > 0 and time.monotonic() >= self.quiet_until
 
     def launched(self, nprocs: int) -> None:
         """A launch began: its ranks come up, no refill for a while."""
@@ -245,17 +251,17 @@ class ReadyPool:
             rank = loop.fork()
             if rank != -1:
                 _in_ready_worker(loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state)
-            pids = loop.pids
+            pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
         finally:
             self.signals.take_back()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
-        for index, (ours, theirs) in enumerate(pairs):
-            theirs.close()
-            if index < len(pids):
-                self.waiting[pids[index]] = ours
-                self.born[pids[index]] = self.generation
-            else:
-                ours.close()
+            for index, (ours, theirs) in enumerate(pairs):
+                theirs.close()
+                if index < len(pids):
+                    self.waiting[pids[index]] = ours
+                    self.born[pids[index]] = self.generation
+                else:
+                    ours.close()
         return len(pids)
 
     def wake(
@@ -275,11 +281,16 @@ class ReadyPool:
         one takes it.  ``offset``: where fn and args start in the payload."""
         pids: list[int] = []
         brief = Brief(header).encode()
+        envs = header.envs
         while self.waiting and len(pids) < header.nprocs:
+            rank = len(pids)
+            own_env = pickle.dumps(envs.get(rank), pickle.HIGHEST_PROTOCOL) if envs else b""
+            if _ASSIGN.size + len(brief) + len(own_env) > _MAX_ASSIGN:
+                break  # a preload list that large: the ranks are forked
+
             pid = next(iter(self.waiting))
             ours = self.waiting.pop(pid)
             same = self.born.pop(pid) == self.generation
-            rank = len(pids)
             fds, flags = [tx, payload, *user_fds], _SAME_STATE if same else 0
             own, _unused = stdio.for_rank(rank)
             for bit, fd in zip((_OUT, _ERR), own or (-1, -1), strict=True):
@@ -292,7 +303,8 @@ class ReadyPool:
             if links:
                 fds.append(links[2 * rank + 1].fileno())
                 flags |= _LINK
-            message = _ASSIGN.pack(rank, len(user_fds), flags, offset) + brief
+            message = _ASSIGN.pack(rank, len(user_fds), flags, offset, len(brief))
+            message += brief + own_env
             try:
                 if group:
                     os.setpgid(pid, group)
@@ -304,6 +316,21 @@ class ReadyPool:
                 ours.close()
             pids.append(pid)
         return pids
+
+    @staticmethod
+    def dup_fds(fds: Sequence[int]) -> list[int] | None:
+        """Copies of a launch's argument fds for its ready workers (the
+        zygote's own are closed once it has unpickled); None, the ranks
+        then forked, when out of fds."""
+        copies: list[int] = []
+        try:
+            for fd in fds:
+                copies.append(os.dup(fd))
+        except OSError:
+            for fd in copies:
+                os.close(fd)
+            return None
+        return copies
 
     def usable_for(self, header: protocol.LaunchHeader) -> bool:
         """Whether a launch may take ready workers: forked ranks, the fds
@@ -377,7 +404,7 @@ def _in_ready_worker(
         _warm_up()
         if warm_fd >= 0:
             os.close(warm_fd)  # prefork() waits for that
-        message, fds, _flags = _channel.recv_fds(mine, 4096, _channel.MAX_FDS)
+        message, fds, _flags = _channel.recv_fds(mine, _MAX_ASSIGN, _channel.MAX_FDS)
         if not message:
             os._exit(0)  # retired
         mine.close()
@@ -478,8 +505,9 @@ def _warm_up() -> None:
 class Brief:
     """What a ready worker needs of a launch's header beyond the caller's
     environment, cwd and sys.path: sent with each rank's assignment,
-    pickled once per launch, so that a worker forked with that state
-    already reads no more (see _SAME_STATE)."""
+    pickled once per launch (its ``envs`` left out: each rank gets its
+    own), so that a worker forked with that state already reads no more
+    (see _SAME_STATE)."""
 
     __slots__ = (
         "daemon",
@@ -501,6 +529,7 @@ class Brief:
     def __init__(self, header: protocol.LaunchHeader) -> None:
         for name in self.__slots__:
             setattr(self, name, getattr(header, name))
+        self.envs = {}
 
     def encode(self) -> bytes:
         return pickle.dumps(self, pickle.HIGHEST_PROTOCOL)
@@ -549,8 +578,11 @@ def _become(
 ) -> NoReturn:
     """Become the rank assigned by ``message``: what Zygote.launch and
     Forker.fork_ranks do for a forked rank, then forked_child."""
-    rank, user_count, flags, offset = _ASSIGN.unpack_from(message)
-    brief: Brief = pickle.loads(message[_ASSIGN.size :])
+    rank, user_count, flags, offset, brief_size = _ASSIGN.unpack_from(message)
+    brief: Brief = pickle.loads(message[_ASSIGN.size : _ASSIGN.size + brief_size])
+    own_env = message[_ASSIGN.size + brief_size :]
+    env = pickle.loads(own_env) if own_env else None
+    brief.envs = {rank: env} if env else {}
     tx = socket.socket(fileno=fds[0])
     payload = worker_spawned.read_payload(fds[1])
     extra = iter(fds[2 + user_count :])

@@ -190,7 +190,7 @@ class Zygote:
         if self.can_collapse():
             self.collapse_when_idle()
             return True
-        if self.ready.refill_delay() is None:
+        if not self.ready.refill_due():
             return False
         self.ready.refill(self.own_fds())
         return True
@@ -281,8 +281,10 @@ class Zygote:
                     os.close(fd)
                 tx.close()
                 return
-            pids = self.start_ranks(header, payload, (fds[1], header_size), carried, launch)
-            os.close(fds[1])
+            try:
+                pids = self.start_ranks(header, payload, (fds[1], header_size), carried, launch)
+            finally:
+                os.close(fds[1])
             send_pidfds(launch, pids)
         finally:
             procstate.restore_limits(saved_limits)
@@ -307,7 +309,7 @@ class Zygote:
         stdio = LaunchStdio(header, carried[header.user_fds :])
         # Ready workers unpickle for themselves, with dups of the
         # arguments' fds: prepare() closes ours.
-        wake_fds = [os.dup(fd) for fd in user_fds] if self.ready.usable_for(header) else None
+        wake_fds = self.ready.dup_fds(user_fds) if self.ready.usable_for(header) else None
         fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
         if header.binary is not None and payload_error is None:
             pids = self.forker.start_binaries(header, launch, stdio)
@@ -327,7 +329,7 @@ class Zygote:
                 )
 
             try:
-                own_fds = [*self.own_fds(), payload_fd]
+                own_fds = [*self.own_fds(), payload_fd, *(wake_fds or ())]
                 pids = self.forker.fork_ranks(
                     header, launch, stdio, fn, args, payload_error, own_fds, links, wake
                 )
