@@ -287,12 +287,18 @@ def _noop(rank: int) -> None:
 
 
 def _await_ready(method: Any, nprocs: int) -> None:
-    """Wait (30 s at most) until the zygote has ``nprocs`` ready workers,
-    made in the background: its helper processes are its guard, itself and
-    those; then as long again, for the last ones' warm-up."""
-    started = time.monotonic()
-    while len(method.helper_pids()) < nprocs + 2 and time.monotonic() < started + 30:
+    """Wait until the zygote has ``nprocs`` ready workers, made in the
+    background (its helper processes are its guard, itself and those), or
+    until their number has not grown for a second (its cap,
+    FASTSPAWN_READY, may be lower); then as long again as that took, a
+    second at most, for the last ones' warm-up."""
+    started = grew = time.monotonic()
+    seen = len(method.helper_pids())
+    while seen < nprocs + 2 and time.monotonic() < grew + 1.0:
         time.sleep(0.01)
+        now = len(method.helper_pids())
+        if now > seen:
+            seen, grew = now, time.monotonic()
     time.sleep(min(1.0, time.monotonic() - started))
 
 
