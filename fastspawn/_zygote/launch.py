@@ -245,7 +245,11 @@ def take_on_caller(
         changed = True
         os.environ.clear()
         os.environ.update(header.env)
-    if os.getcwd() != header.cwd:
+    try:
+        here: str | None = os.getcwd()
+    except OSError:
+        here = None  # ours was deleted since
+    if here != header.cwd:
         changed = True
     os.chdir(header.cwd)  # even if equal: the directory may be another by that name now
     if sys.path != header.sys_path:

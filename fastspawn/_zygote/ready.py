@@ -517,6 +517,7 @@ class Brief:
         "tracker_index",
         "line_buffered",
         "preload",
+        "cwd",
     )
     daemon: bool
     envs: dict[int, dict[str, str]]
@@ -525,6 +526,7 @@ class Brief:
     tracker_index: int | None
     line_buffered: bool
     preload: list[str]
+    cwd: str
 
     def __init__(self, header: protocol.LaunchHeader) -> None:
         for name in self.__slots__:
@@ -558,6 +560,7 @@ def _unpickle(
         if header is not None:
             take_on_caller(header, user_fds, _noop)
         else:
+            os.chdir(brief.cwd)  # a directory by that name may be another one now
             import_all(brief.preload, strict=True)
             pickling.inherited_fds[:] = user_fds
             if brief.tracker_index is not None:
