@@ -26,7 +26,9 @@ class Launch:
         self.tx = tx
         self.size = nprocs
         self.live = nprocs
-        self.forked = True  # its ranks are forked workers, not binaries
+        # Its ranks are made ready again once they end (forked workers of a
+        # caller without an RLIMIT_NPROC of its own).
+        self.refills = True
         self.outbox: collections.deque[tuple[bytes, list[int]]] = collections.deque()
         self.exits: list[int] = []  # (rank, status) pairs not yet queued
         self.watching_out = False

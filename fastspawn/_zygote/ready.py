@@ -28,7 +28,11 @@ up to FASTSPAWN_READY (default 64; 0: never in the background).
 (``prefork(0, refill=False)`` turns ready workers off).  Never
 more than a quarter of the caller's RLIMIT_NPROC, nor of its
 RLIMIT_NOFILE (each holds one of the zygote's fds), nor while less than
-``MIN_AVAILABLE`` of memory is available.  New modules in the zygote
+``MIN_AVAILABLE`` of memory is available.  A caller that set an
+RLIMIT_NPROC of its own (lower, often) gets its ranks forked under it, as
+before: the ready workers, which count against it, are killed and reaped
+first, and none are made ready again until prefork() or a launch of a
+caller without a limit of its own asks.  New modules in the zygote
 (``preload()``, a launch's imports) retire the ready ones: they lack them.
 """
 
@@ -334,17 +338,29 @@ class ReadyPool:
 
     def usable_for(self, header: protocol.LaunchHeader) -> bool:
         """Whether a launch may take ready workers: forked ranks, the fds
-        for one message, and no RLIMIT_NPROC of the caller's own (its
-        ranks are then forked under it, as the caller's fork would be)."""
-        import resource
-
-        limits = header.process_state.get("rlimits", {})
+        for one message, and no RLIMIT_NPROC of the caller's own (see
+        :func:`own_nproc`)."""
         return (
             bool(self.waiting)
             and header.binary is None
             and header.user_fds + 6 <= _channel.MAX_FDS
-            and resource.RLIMIT_NPROC not in limits
+            and not own_nproc(header)
         )
+
+    def stand_aside(self) -> None:
+        """Before the ranks of a caller with an RLIMIT_NPROC of its own
+        fork under it: kill the ready workers and reap them (the kernel
+        counts a child against its user's processes until it is reaped).
+        None are made ready again until prefork() or a launch of a caller
+        without a limit of its own asks."""
+        waiting = list(self.waiting)
+        self.retire()
+        self.owed = self.asked = 0
+        for pid in waiting:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # reaped already
 
     def gone(self, pid: int) -> None:
         """A child was reaped: if a ready worker, it is not ready now."""
@@ -361,6 +377,15 @@ class ReadyPool:
             _kill(pid)
         self.waiting.clear()
         self.born.clear()
+
+
+def own_nproc(header: protocol.LaunchHeader) -> bool:
+    """Whether a launch's caller set an RLIMIT_NPROC other than the
+    zygote's: its ranks are forked under it, as the caller's own fork
+    would be, never from ready workers, which count against it."""
+    import resource
+
+    return resource.RLIMIT_NPROC in header.process_state.get("rlimits", {})
 
 
 def _kill(pid: int) -> None:

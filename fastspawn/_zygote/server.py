@@ -32,7 +32,7 @@ from fastspawn._zygote.launch import (
     send_pidfds,
     take_on_caller,
 )
-from fastspawn._zygote.ready import ReadyPool
+from fastspawn._zygote.ready import ReadyPool, own_nproc
 from fastspawn._zygote.signals import Signals, terminating
 
 TYPE_CHECKING = False
@@ -262,8 +262,10 @@ class Zygote:
         header_size = payload.tell()
         self.ready.launched(header.nprocs)
         launch = Launch(tx, header.nprocs, header.mp_process)
-        launch.forked = header.binary is None
-        if header.mp_process:
+        # Forked ranks are made ready again once they end, unless their
+        # caller holds them to an RLIMIT_NPROC of its own.
+        launch.refills = header.binary is None and not own_nproc(header)
+        if launch.refills and header.mp_process:
             # Multiprocessing's processes come again (a DataLoader's next
             # epoch, a pool's next worker), and end only when the next are
             # due: made ready again once these are up, not once they ended.
@@ -310,6 +312,8 @@ class Zygote:
         # Ready workers unpickle for themselves, with dups of the
         # arguments' fds: prepare() closes ours.
         wake_fds = self.ready.dup_fds(user_fds) if self.ready.usable_for(header) else None
+        if own_nproc(header):
+            self.ready.stand_aside()
         fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
         if header.binary is not None and payload_error is None:
             pids = self.forker.start_binaries(header, launch, stdio)
@@ -479,7 +483,7 @@ class Zygote:
             launch, rank = entry
             (keep if launch.mp_process else drop).add(launch.group)
             launch.live -= 1
-            if launch.live == 0 and launch.forked and not launch.mp_process:
+            if launch.live == 0 and launch.refills and not launch.mp_process:
                 self.ready.owe(launch.size)
             launch.exits += [rank, os.waitstatus_to_exitcode(status)]
             touched.add(launch)
