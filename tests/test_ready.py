@@ -19,6 +19,7 @@ import textwrap
 import time
 
 import mp_targets
+import psutil
 import pytest
 import workers
 from helpers import gone, kill_driver
@@ -307,8 +308,11 @@ def test_ready_workers_stay_within_a_quarter_of_rlimit_nproc():
 
 
 @pytest.mark.version_neutral
-@pytest.mark.parametrize("victim", ["caller", "zygote"])
-def test_ready_workers_die_with_the_caller_and_the_zygote(victim):
+@pytest.mark.parametrize("victim", ["caller", "zygote", "guard"])
+def test_ready_workers_die_with_the_caller_the_zygote_and_its_guard(victim):
+    # The guard (the zygote's parent, see docs/zygote.md) stands where the
+    # warden stands for fork and spawn launches: the watcher between the
+    # caller and the workers.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
     driver = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(DRIVER), "kill"],
@@ -320,7 +324,9 @@ def test_ready_workers_die_with_the_caller_and_the_zygote(victim):
         assert driver.stdout is not None
         caller, zygote, *ready = map(int, driver.stdout.readline().split())
         assert len(ready) == 4
-        os.kill(caller if victim == "caller" else zygote, signal.SIGKILL)
+        guard = psutil.Process(zygote).ppid()
+        assert guard != caller
+        os.kill({"caller": caller, "zygote": zygote, "guard": guard}[victim], signal.SIGKILL)
         deadline = time.monotonic() + 1.0
         while not all(gone(pid) for pid in ready) and time.monotonic() < deadline:
             time.sleep(0.01)
