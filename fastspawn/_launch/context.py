@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -56,6 +57,25 @@ def _in_group(pid: int, group: int) -> bool:
         return True
 
 
+_noted_stacks_not_taken = False
+
+
+def _note_stacks_not_taken() -> None:
+    """Once a process, at a failure on a CPython whose stack dump may crash
+    the rank it dumps (_stacks.DUMP_MAY_CRASH): say why there are none."""
+    global _noted_stacks_not_taken
+    if _noted_stacks_not_taken:
+        return
+    _noted_stacks_not_taken = True
+    version = ".".join(map(str, sys.version_info[:3]))
+    log.warning(
+        "the other ranks' stacks are not taken at a failure on Python %s: its "
+        "faulthandler may crash a process it dumps (CPython issue gh-123967); upgrade to "
+        "3.12.8, 3.13.1 or later to have them",
+        version,
+    )
+
+
 class ProcessContext:
     """The workers of one launch, joined together.
 
@@ -93,6 +113,7 @@ class ProcessContext:
         self.processes = processes
         self._stacks = stacks  # the workers armed the stack dump: take it at a failure
         self.rank_stacks: dict[int, str] = {}
+        self._stacks_not_taken = False  # at a failure, see _stacks.DUMP_MAY_CRASH
         self._group = group  # process group of the workers (zygote), 0: none
         self._watched_groups = list(watched_groups)  # see LaunchRequest
         self._values: dict[int, Any] = {}  # see return_values
@@ -486,6 +507,9 @@ class ProcessContext:
         live = running_among(self._pending.values())
         if not live:
             return
+        if _stacks.DUMP_MAY_CRASH:
+            self._stacks_not_taken = True  # said after torch's records
+            return
         try:
             self.rank_stacks = self._take_stacks(live, _stacks.FAILURE_TIMEOUT)
         except Exception:
@@ -493,6 +517,8 @@ class ProcessContext:
 
     def _log_failure_stacks(self, failed: Process) -> None:
         """The stacks taken at the failure of ``failed``, in one WARNING."""
+        if self._stacks_not_taken:
+            _note_stacks_not_taken()
         if self.rank_stacks and log.isEnabledFor(logging.WARNING):
             block = _stacks.format_block(
                 (f"rank {rank} (pid {self.processes[rank].pid})", text)
