@@ -573,6 +573,7 @@ NPROC_DRIVER = """
         attempt("refused", 2 * limit)
         attempt("eagain", limit - 1, sleep_forever)
         settle(tasks)
+        time.sleep(0.5)  # time for the zygote to make workers ready, if it would
         attempt("fewer", limit // 2)
         resource.setrlimit(resource.RLIMIT_NPROC, own)  # raised, as ulimit -u does
         attempt("raised", limit - 1, sleep_forever)
