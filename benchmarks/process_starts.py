@@ -17,28 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch  # noqa: F401  (the zygote and the caller as a torch user has them)
 
-from fastspawn._bench.mp_child import get_context, trivial
+from fastspawn._bench.mp_child import get_context, process_loop
 
 
 def loop(ctx: object, starts: int, gap: float) -> float:
     """Median milliseconds from Process() to a joined exit, over ``starts``."""
-    times = []
-    for _ in range(starts):
-        t0 = time.perf_counter()
-        proc = ctx.Process(target=trivial)  # type: ignore[attr-defined]
-        proc.start()
-        proc.join()
-        times.append(time.perf_counter() - t0)
-        if proc.exitcode != 0:
-            raise RuntimeError(f"a process exited with {proc.exitcode}")
-        proc.close()
-        if gap:
-            time.sleep(gap)
-    return statistics.median(times) * 1e3
+    return statistics.median(process_loop(ctx, starts, gap)) * 1e3
 
 
 def main() -> None:

@@ -103,8 +103,9 @@ def pool_runs(ctx: Any, config: dict[str, int]) -> list[float]:
     return times
 
 
-def process_loop(ctx: Any, n: int) -> list[float]:
-    """Seconds per ``ctx.Process(target=trivial)``: start, join, close."""
+def process_loop(ctx: Any, n: int, gap: float = 0.0) -> list[float]:
+    """Seconds per ``ctx.Process(target=trivial)``: start, join, close;
+    ``gap`` seconds between one's close and the next start (untimed)."""
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -115,6 +116,8 @@ def process_loop(ctx: Any, n: int) -> list[float]:
         if proc.exitcode != 0:
             raise RuntimeError(f"a process exited with {proc.exitcode}")
         proc.close()
+        if gap:
+            time.sleep(gap)
     return times
 
 
