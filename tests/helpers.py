@@ -21,6 +21,20 @@ def gone(pid: int) -> bool:
         return True
 
 
+def wait_until_asleep(pid: int, timeout: float) -> None:
+    """Wait, ``timeout`` seconds at most, until ``pid``'s main thread sleeps
+    in nanosleep (``time.sleep``) or ``pid`` is gone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as f:
+                if "nanosleep" in f.read():
+                    return
+        except OSError:
+            return  # gone
+        time.sleep(0.01)
+
+
 def kill_driver(driver: subprocess.Popen[str]) -> None:
     """SIGKILL a driver process of ours, reap it, close its stdout pipe."""
     driver.kill()

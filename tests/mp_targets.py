@@ -52,10 +52,17 @@ def report_self(queue: Any) -> None:
 
 def start_a_process(context: str, queue: Any) -> None:
     """Start a process of ``context`` that reports on its parent (this
-    process), put its pid, then wait to be terminated."""
+    process), put its pid, then wait to be terminated: asleep (in
+    nanosleep, see helpers.wait_until_asleep) only once done with the queue,
+    so that a SIGTERM then cannot leave the queue's lock held (a Queue's
+    feeder thread holds it while it writes: the reader may have the message
+    before it lets go)."""
     process = multiprocessing.get_context(context).Process(target=report_parent, args=(queue,))
     process.start()
     queue.put(("started", process.pid))
+    if hasattr(queue, "join_thread"):  # a Queue, not a SimpleQueue
+        queue.close()
+        queue.join_thread()
     time.sleep(120)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import mp_targets
 import pytest
-from helpers import gone
+from helpers import gone, wait_until_asleep
 
 import fastspawn
 from fastspawn._mp.popen import Popen as FastspawnPopen
@@ -246,6 +246,10 @@ def test_process_started_by_a_process(ctx):
     assert (pid, parent, parent_alive) == (grandchild, child.pid, True)
     from_zygote = name in ("fastspawn", "fastspawn-forkserver")
     assert ppid == (client.zygote_pid() if from_zygote else child.pid)
+    # Terminated while its queue's feeder thread still held the queue's
+    # lock (the message read here, the lock not yet let go), the child
+    # would keep it from the grandchild for ever: once it sleeps, it is done.
+    wait_until_asleep(child.pid, DEADLINE)
     child.terminate()
     child.join(DEADLINE)
     assert child.exitcode == -signal.SIGTERM

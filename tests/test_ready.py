@@ -22,7 +22,7 @@ import mp_targets
 import psutil
 import pytest
 import workers
-from helpers import gone, kill_driver
+from helpers import gone, kill_driver, wait_until_asleep
 
 import fastspawn
 from fastspawn._zygote import client
@@ -165,9 +165,7 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
         # The queue's reader may have the message before its writer let go
         # of the queue's lock: terminated then, it would keep it from the
         # inner process for ever.  Its sleep after it is the sign.
-        deadline = time.monotonic() + DEADLINE
-        while "nanosleep" not in _wchan(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until_asleep(process.pid, DEADLINE)
     finally:
         process.terminate()
         process.join(DEADLINE)
@@ -178,15 +176,6 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
         time.sleep(0.05)
     assert gone(inner)
     queue.close()
-
-
-def _wchan(pid: int) -> str:
-    """Where ``pid`` waits in the kernel ("" once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/wchan") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 @pytest.mark.version_neutral
