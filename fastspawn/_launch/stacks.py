@@ -60,9 +60,9 @@ FAILURE_TIMEOUT = 0.5
 # most of all): CPython issue gh-123967, fixed in 3.12.8 and 3.13.1.  Seen
 # here on 3.13.0: in 1 of 240 failures of a 3-rank spawn launch (test_spec's
 # two such tests, 120 times) a rank still starting up ended with SIGSEGV
-# instead of the SIGTERM that stopped it.  On
-# those versions a failure does not take the other ranks' stacks (on
-# demand, the caller's choice, it still does; see docs/stacks.md).
+# instead of the SIGTERM that stopped it.  On those versions a failure does
+# not take the other ranks' stacks (on demand, the caller's choice, it still
+# does; see docs/stacks.md).
 _VERSION = sys.version_info[:3]
 DUMP_MAY_CRASH = (3, 12, 0) <= _VERSION < (3, 12, 8) or _VERSION == (3, 13, 0)
 # How long an on-demand dump (dump_stacks(), fastspawn stacks) waits.

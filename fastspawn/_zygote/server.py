@@ -263,8 +263,12 @@ class Zygote:
         self.ready.launched(header.nprocs)
         launch = Launch(tx, header.nprocs, header.mp_process)
         # Forked ranks are made ready again once they end, unless their
-        # caller holds them to an RLIMIT_NPROC of its own.
-        launch.refills = header.binary is None and not own_nproc(header)
+        # caller holds them to an RLIMIT_NPROC of its own: then the ready
+        # workers, which count against it, go before its ranks fork.
+        own_limit = own_nproc(header)
+        if own_limit:
+            self.ready.stand_aside()
+        launch.refills = header.binary is None and not own_limit
         if launch.refills and header.mp_process:
             # Multiprocessing's processes come again (a DataLoader's next
             # epoch, a pool's next worker), and end only when the next are
@@ -312,8 +316,6 @@ class Zygote:
         # Ready workers unpickle for themselves, with dups of the
         # arguments' fds: prepare() closes ours.
         wake_fds = self.ready.dup_fds(user_fds) if self.ready.usable_for(header) else None
-        if own_nproc(header):
-            self.ready.stand_aside()
         fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
         if header.binary is not None and payload_error is None:
             pids = self.forker.start_binaries(header, launch, stdio)
