@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import mp_targets
@@ -202,6 +203,38 @@ def test_prefork_zero_releases_them_and_the_background_stays(no_background_refil
     while len(ready_now()) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(ready_now()) == 2
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None  # gone meanwhile
+
+
+def test_ready_workers_bear_their_name_from_their_fork(no_background_refill):
+    """What lists ready workers by name (leak checks, the stack walk, which
+    signals the zygote's other children as ranks) never sees one without
+    it, even just after its fork; the zygote keeps its own."""
+    zygote = client.zygote_pid()
+    assert zygote is not None
+    zygote_name = _comm(zygote)
+    made: list[int] = []
+    thread = threading.Thread(target=lambda: made.append(fastspawn.prefork(48, refill=False)))
+    first_seen: dict[int, str | None] = {}
+    thread.start()
+    try:
+        while thread.is_alive():
+            for pid in client.children_of(zygote):
+                if pid not in first_seen:
+                    first_seen[pid] = _comm(pid)
+    finally:
+        thread.join()
+    assert made == [48]
+    assert len(first_seen) >= 48
+    assert {name for name in first_seen.values() if name is not None} == {"fastspawn-ready"}
+    assert _comm(zygote) == zygote_name != "fastspawn-ready"
 
 
 def test_prefork_checks_its_argument():

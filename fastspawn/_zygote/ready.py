@@ -246,6 +246,10 @@ class ReadyPool:
         if not pairs:
             return 0
         signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
+        # The workers inherit the name they wait under: never listed, not
+        # even for a moment after the fork, as anything but ready workers
+        # (client.ready_workers; the stack walk, which signals ranks).
+        own_name = _rename(READY_NAME)
         pids: list[int] = []
         try:
             unlent = self.signals.lend()
@@ -254,9 +258,12 @@ class ReadyPool:
             )
             rank = loop.fork()
             if rank != -1:
-                _in_ready_worker(loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state)
+                _in_ready_worker(
+                    loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state, own_name
+                )
             pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
         finally:
+            _rename(own_name)
             self.signals.take_back()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
             for index, (ours, theirs) in enumerate(pairs):
@@ -407,8 +414,10 @@ def _in_ready_worker(
     unlent: set[int],
     zygote: int,
     state: dict[str, Any],
+    name: str,
 ) -> NoReturn:
-    """A freshly forked ready worker: warm up, wait for a rank, become it."""
+    """A freshly forked ready worker (named READY_NAME, its rank's
+    ``name`` once it has one): warm up, wait for a rank, become it."""
     try:
         set_up_child(loop, index, unlent)
         mine = pairs[index][1]
@@ -424,7 +433,6 @@ def _in_ready_worker(
         # Waiting, a Ctrl-C meant for the caller is not ours (restored as
         # lent once a rank comes).
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        name = _rename(READY_NAME)
         stacks_fd = _arm_stacks_ahead()
         _warm_up()
         if warm_fd >= 0:
