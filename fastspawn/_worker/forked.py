@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
-def _after_fork(rank: int, daemon: bool) -> None:
+def _after_fork(rank: int, daemon: bool, after_forkers: bool = True) -> None:
     """Reset the multiprocessing state a forked worker inherited.
 
     Every step here costs a worker the pages it writes (refcounts, frames):
@@ -38,7 +38,7 @@ def _after_fork(rank: int, daemon: bool) -> None:
     process = _loaded("multiprocessing.process")
     util = _loaded("multiprocessing.util")
     util._finalizer_registry.clear()
-    if util._afterfork_registry:
+    if after_forkers and util._afterfork_registry:
         util._run_after_forkers()
     process._children = set()
     current = process._current_process
@@ -221,8 +221,24 @@ def forked_child(
         finish(code, signum, "own" if spec.from_zygote else FORK_EXIT_HANDLERS)
 
 
+def rehearse(spec: ForkSpec, rank: int) -> None:
+    """What forked_child does up to the report of ``spec.fn``'s result,
+    for a ready worker ahead of its wake (fastspawn._zygote.ready), so that
+    the pages this writes are its own before a launch waits for it: a spec
+    from the zygote with no state of a caller's, fn doing nothing, a channel
+    of the rehearsal's own.  multiprocessing's after-fork callables run
+    once, at the wake."""
+    _set_up_forked(spec, rank, None, (), after_forkers=False)
+    assert spec.fn is not None and spec.payload_error is None, spec.payload_error
+    run(rank, spec.fn, spec.args, spec.tx, spec.channel)
+
+
 def _set_up_forked(
-    spec: ForkSpec, rank: int, stdio: Sequence[int] | None, close_fds: Sequence[int]
+    spec: ForkSpec,
+    rank: int,
+    stdio: Sequence[int] | None,
+    close_fds: Sequence[int],
+    after_forkers: bool = True,
 ) -> None:
     """A forked worker's process set-up, before its fn runs."""
     if spec.die_with_parent and not spec.parent_death_armed:
@@ -248,7 +264,7 @@ def _set_up_forked(
         os.environ.update(rank_env)
     if spec.match_torch_threads:
         _match_torch_threads()
-    _after_fork(rank, spec.daemon)
+    _after_fork(rank, spec.daemon, after_forkers)
     if not spec.from_zygote:  # the zygote's is the caller already
         set_parent_process(spec.parent)
     if spec.stacks is not None:  # no call otherwise: its pages would be copied
