@@ -206,13 +206,7 @@ def forked_child(
     """
     code, signum = 1, 0
     try:
-        _set_up_forked(spec, rank, stdio, close_fds)
-        if spec.payload_error is not None:
-            error = spec.payload_error.encode("utf-8", "replace")
-            _channel.send(spec.tx, rank, _channel.ERROR, error)
-        else:
-            assert spec.fn is not None
-            code, signum = run(rank, spec.fn, spec.args, spec.tx, spec.channel)
+        code, signum = _set_up_and_run(spec, rank, stdio, close_fds)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the caller closed its channel: it is gone or gave up on us
     except BaseException:
@@ -228,9 +222,25 @@ def rehearse(spec: ForkSpec, rank: int) -> None:
     from the zygote with no state of a caller's, fn doing nothing, a channel
     of the rehearsal's own.  multiprocessing's after-fork callables run
     once, at the wake."""
-    _set_up_forked(spec, rank, None, (), after_forkers=False)
-    assert spec.fn is not None and spec.payload_error is None, spec.payload_error
-    run(rank, spec.fn, spec.args, spec.tx, spec.channel)
+    assert spec.payload_error is None, spec.payload_error
+    _set_up_and_run(spec, rank, None, (), after_forkers=False)
+
+
+def _set_up_and_run(
+    spec: ForkSpec,
+    rank: int,
+    stdio: Sequence[int] | None,
+    close_fds: Sequence[int],
+    after_forkers: bool = True,
+) -> tuple[int, int]:
+    """forked_child but its end: (exit code, signal to die by or 0)."""
+    _set_up_forked(spec, rank, stdio, close_fds, after_forkers)
+    if spec.payload_error is not None:
+        error = spec.payload_error.encode("utf-8", "replace")
+        _channel.send(spec.tx, rank, _channel.ERROR, error)
+        return 1, 0
+    assert spec.fn is not None
+    return run(rank, spec.fn, spec.args, spec.tx, spec.channel)
 
 
 def _set_up_forked(

@@ -57,11 +57,6 @@ class Forker:
         ``wake``: gives the first ranks to ready workers, once the launch's
         process group (its argument) is made (ReadyPool.wake); their pids."""
         stacks = worker_stacks.ForkStacks(header.stacks)
-        spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
-        spec.stacks = stacks.in_worker
-        spec.parent_death_armed = True  # by the fork loop
-        # Decided here, not in each worker (a call and a lookup there).
-        self.reseed_numpy = "numpy.random" in sys.modules
         pids: list[int] = []
         # A signal landing between fork and the worker's own handling would
         # run the zygote's handlers in the worker (SIGTERM would make it act
@@ -74,7 +69,6 @@ class Forker:
         saved_limits = procstate.adopt_fork_limits(header.process_state)
         group = 0
         call = "fs_group_anchor"  # what runs now, for the report of a failure
-        stacks.begin()
         try:
             unlent = self.signals.lend()
             # The launch's process group is led by an anchor that exits at
@@ -97,6 +91,15 @@ class Forker:
                 () if unlent else ZYGOTE_SIGNALS,
                 started=pids,
             )
+            if loop.next < header.nprocs:
+                # What forked ranks need, made once ready workers took theirs
+                # (a launch they all took waits for none of it).
+                spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
+                spec.stacks = stacks.in_worker
+                spec.parent_death_armed = True  # by the fork loop
+                # Decided here, not in each worker (a call and a lookup there).
+                self.reseed_numpy = "numpy.random" in sys.modules
+                stacks.begin()
             while loop.next < header.nprocs:
                 first = loop.next
                 prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None

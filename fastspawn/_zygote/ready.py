@@ -38,7 +38,6 @@ caller without a limit of its own asks.  New modules in the zygote
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # signal.signal without its enum wrapping
 import faulthandler
 import os
 import pickle
@@ -65,8 +64,13 @@ from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any, NoReturn
+
+# signal.signal without its enum conversions (see fastspawn._os.held), and
+# the plain int it takes for SIG_IGN.
+_setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal
+_SIG_IGN: int = sys.modules["_signal"].SIG_IGN
 
 # A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
 # caller's leak checks tell it from a worker (client.helper_processes).
@@ -433,8 +437,8 @@ def _in_ready_worker(
                 pass
         # Waiting, a Ctrl-C meant for the caller is not ours (restored as
         # lent once a rank comes).  _signal's own call: signal.signal's
-        # enum conversions cost a waking rank some 30 us.
-        interrupt = _signal.signal(signal.SIGINT, _signal.SIG_IGN)
+        # enum conversions cost a waking rank some 30 us (see held.py).
+        interrupt = _setsignal(signal.SIGINT, _SIG_IGN)
         stacks_fd = _arm_stacks_ahead()
         comm = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)  # one write at the wake
         _warm_up(zygote, stacks_fd)
@@ -448,7 +452,7 @@ def _in_ready_worker(
             os.write(comm, name.encode())
         finally:
             os.close(comm)
-        _signal.signal(signal.SIGINT, interrupt)
+        _setsignal(signal.SIGINT, interrupt)
         _become(message, fds, zygote, state, stacks_fd)
     except BaseException:
         runner.print_exc()
@@ -530,24 +534,30 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
     )
     encoded = header.encode()
     brief = Brief(header).encode()
+    work = encoded + pickle.dumps((_noop_rank, ()), pickle.HIGHEST_PROTOCOL)
     for flags in (0, _SAME_STATE):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        memfd = -1
+        # The assignment as the zygote sends it, with the launch's channel
+        # (its far end read by nobody) and payload, received as at the wake.
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+        (ours, theirs), (channel, _far) = pairs
         try:
             memfd = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
-            os.write(memfd, encoded + pickle.dumps((_noop_rank, ()), pickle.HIGHEST_PROTOCOL))
-            message = _ASSIGN.pack(-1, 0, flags, len(encoded), len(brief)) + brief
-            fds, memfd = [theirs.detach(), memfd], -1
+            try:
+                os.write(memfd, work)
+                message = _ASSIGN.pack(-1, 0, flags, len(encoded), len(brief)) + brief
+                socket.send_fds(ours, [message], [channel.fileno(), memfd])
+            finally:
+                os.close(memfd)
+            message, fds, _flags = _channel.recv_fds(theirs, _MAX_ASSIGN, _channel.MAX_FDS)
             rank, spec, _stdio, _link = _prepare(message, fds, zygote, stacks_fd)
             try:
                 worker_forked.rehearse(spec, rank)
             finally:
                 spec.tx.close()
         finally:
-            ours.close()
-            theirs.close()
-            if memfd >= 0:
-                os.close(memfd)
+            for pair in pairs:
+                for end in pair:
+                    end.close()
     worker_stdio.whole_lines()
 
 
@@ -669,6 +679,11 @@ def _prepare(
         from_zygote=True,
     )
     spec.parent_death_armed = True  # by the fork loop
+    # What exists now is the zygote's as far as the rank's exit goes, as for
+    # a rank forked after the zygote unpickled (Forker.worker_spec).
+    runner.zygote_finalizer_index = runner.next_finalizer_index(weakref.finalize)
+    logging = sys.modules.get("logging")
+    runner.zygote_handlers = len(getattr(logging, "_handlerList", ()))
     if brief.line_buffered:
         worker_stdio.line_buffer_stdout()
     stdio = None if out == err == -1 else [out, err]
@@ -681,11 +696,6 @@ def _become(
     """Become the rank assigned by ``message``: what Zygote.launch and
     Forker.fork_ranks do for a forked rank, then forked_child."""
     rank, spec, stdio, own_link = _prepare(message, fds, zygote, stacks_fd)
-    # What exists now is the zygote's as far as the rank's exit goes, as for
-    # a rank forked after the zygote unpickled (Forker.worker_spec).
-    runner.zygote_finalizer_index = runner.next_finalizer_index(weakref.finalize)
-    logging = sys.modules.get("logging")
-    runner.zygote_handlers = len(getattr(logging, "_handlerList", ()))
     if "numpy.random" in sys.modules:
         worker_forked.reseed()
     if own_link is not None:
