@@ -217,7 +217,7 @@ def forked_child(
 
 def rehearse(spec: ForkSpec, rank: int) -> None:
     """What forked_child does up to the report of ``spec.fn``'s result,
-    for a ready worker ahead of its wake (fastspawn._zygote.ready), so that
+    for a ready worker ahead of its wake (fastspawn._zygote.wake), so that
     the pages this writes are its own before a launch waits for it: a spec
     from the zygote with no state of a caller's, fn doing nothing, a channel
     of the rehearsal's own.  multiprocessing's after-fork callables run

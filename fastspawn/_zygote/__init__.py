@@ -41,5 +41,7 @@ die with the zygote.  Exit statuses go back on each launch's channel, sent witho
 Modules: ``main`` (the process's entry, and the guard), ``server`` (the
 main loop), ``forking`` (a launch's ranks started), ``launch`` (one launch's
 state), ``signals`` (the zygote's handlers and the workers'), ``protocol``
-(every message, both ends), ``client`` (the caller's handle on it).
+(every message, both ends), ``client`` (the caller's handle on it),
+``link`` (a multiprocessing process's own channel to it), ``ready`` (the
+workers it keeps forked ahead) and ``wake`` (such a worker's side).
 """

@@ -237,7 +237,7 @@ def take_on_caller(
     header: protocol.LaunchHeader, user_fds: Sequence[int], settle: Callable[[], None]
 ) -> bool:
     """Before a launch's fn and args are unpickled (by the zygote, or by a
-    ready worker, fastspawn._zygote.ready): the caller's environment, cwd
+    ready worker, fastspawn._zygote.wake): the caller's environment, cwd
     and sys.path as of the launch, its ``preload=`` imported, ``settle``
     called, the arguments' fds and the caller's resource tracker in place.
     What is equal already is not rewritten: a ready worker would copy the

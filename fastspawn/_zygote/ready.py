@@ -5,18 +5,14 @@ A launch then costs a message per rank instead of a fork: the zygote puts
 the ready worker in the launch's process group (setpgid on its child, which
 has not exec'd) and sends it the rank, the launch's channel and payload
 memfd, the fds its arguments carry, its stdio and, for a multiprocessing
-process, its link.  The worker does what the zygote does for forked ranks
-(takes on the caller's environment, cwd and sys.path as of the launch,
-imports its ``preload=``, unpickles fn and args) and then what every forked
-rank does (fastspawn._worker.forked.forked_child).  The ranks a launch
-needs beyond the ready ones are forked as before.
+process, its link.  The worker becomes that rank (fastspawn._zygote.wake,
+the worker's side, which also rehearses the wake before it waits).  The
+ranks a launch needs beyond the ready ones are forked as before.
 
 Each ready worker is forked by the same C loop as a launch's ranks
 (PR_SET_PDEATHSIG against the zygote, checked; the workers' signal
-handlers), and runs that wake path once on the zygote's own state before it
-waits, so that the pages the wake writes are copied then, not while the
-caller waits (benchmarks/README.md, issue 31: 3.2x the bare pre-forked
-floor without that, 1.46x with it).
+handlers), under the name it waits with (READY_NAME, which the zygote
+takes for the fork loop).
 
 How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
 least n so; after a launch of forked ranks ends (multiprocessing
@@ -38,39 +34,34 @@ caller without a limit of its own asks.  New modules in the zygote
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import time
-import traceback
-import weakref
 
 from fastspawn._os import oscall
 from fastspawn._wire import channel as _channel
-from fastspawn._wire import pickling
-from fastspawn._worker import forked as worker_forked
-from fastspawn._worker import runner
-from fastspawn._worker import spawned as worker_spawned
-from fastspawn._worker import stacks as worker_stacks
-from fastspawn._worker import stdio as worker_stdio
-from fastspawn._zygote import link, protocol
-from fastspawn._zygote.forking import set_up_child
-from fastspawn._zygote.launch import LaunchStdio, adopt_tracker, import_all, take_on_caller
+from fastspawn._zygote import protocol
+from fastspawn._zygote.launch import LaunchStdio
 from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals
+from fastspawn._zygote.wake import (
+    ASSIGN,
+    ERR,
+    IN,
+    LINK,
+    MAX_ASSIGN,
+    OUT,
+    SAME_STATE,
+    Brief,
+    in_ready_worker,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
-    from typing import Any, NoReturn
-
-# signal.signal without its enum conversions (see fastspawn._os.held), and
-# the plain int it takes for SIG_IGN.
-_setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal
-_SIG_IGN: int = sys.modules["_signal"].SIG_IGN
+    from collections.abc import Sequence
+    from typing import Any
 
 # A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
 # caller's leak checks tell it from a worker (client.helper_processes).
@@ -87,17 +78,6 @@ REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
 # and this long more per rank (seconds).
 QUIET_AFTER_LAUNCH = 0.01
 QUIET_PER_RANK = 0.002
-
-# A rank's assignment: the rank, how many of the fds its arguments carry,
-# which optional fds follow those, where fn and args start in the payload,
-# the length of the launch's Brief; then the Brief and, if the launch has
-# per-rank environments, the rank's (pickled).  _MAX_ASSIGN at most.
-_ASSIGN = struct.Struct("=iiBII")
-_MAX_ASSIGN = 65536
-_OUT, _ERR, _IN, _LINK = 1, 2, 4, 8
-# The worker was forked with the caller's environment, cwd and sys.path as
-# the launch has them: it skips the header.
-_SAME_STATE = 16
 
 
 def cap_from_environment(environ: dict[str, str] | os._Environ[str]) -> int:
@@ -263,7 +243,7 @@ class ReadyPool:
             )
             rank = loop.fork()
             if rank != -1:
-                _in_ready_worker(
+                in_ready_worker(
                     loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state, own_name
                 )
             pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
@@ -301,25 +281,25 @@ class ReadyPool:
         while self.waiting and len(pids) < header.nprocs:
             rank = len(pids)
             own_env = pickle.dumps(envs.get(rank), pickle.HIGHEST_PROTOCOL) if envs else b""
-            if _ASSIGN.size + len(brief) + len(own_env) > _MAX_ASSIGN:
+            if ASSIGN.size + len(brief) + len(own_env) > MAX_ASSIGN:
                 break  # a preload list that large: the ranks are forked
 
             pid = next(iter(self.waiting))
             ours = self.waiting.pop(pid)
             same = self.born.pop(pid) == self.generation
-            fds, flags = [tx, payload, *user_fds], _SAME_STATE if same else 0
+            fds, flags = [tx, payload, *user_fds], SAME_STATE if same else 0
             own, _unused = stdio.for_rank(rank)
-            for bit, fd in zip((_OUT, _ERR), own or (-1, -1), strict=True):
+            for bit, fd in zip((OUT, ERR), own or (-1, -1), strict=True):
                 if fd >= 0:
                     fds.append(fd)
                     flags |= bit
             if stdio.caller_in is not None:
                 fds.append(stdio.caller_in)
-                flags |= _IN
+                flags |= IN
             if links:
                 fds.append(links[2 * rank + 1].fileno())
-                flags |= _LINK
-            message = _ASSIGN.pack(rank, len(user_fds), flags, offset, len(brief))
+                flags |= LINK
+            message = ASSIGN.pack(rank, len(user_fds), flags, offset, len(brief))
             message += brief + own_env
             try:
                 if group:
@@ -407,59 +387,6 @@ def _kill(pid: int) -> None:
         pass
 
 
-# ------------------------------------------------------------ in the worker
-
-
-def _in_ready_worker(
-    loop: oscall.ForkLoop,
-    index: int,
-    pairs: Sequence[tuple[socket.socket, socket.socket]],
-    close_fds: Sequence[int],
-    warm_fd: int,
-    unlent: set[int],
-    zygote: int,
-    state: dict[str, Any],
-    name: str,
-) -> NoReturn:
-    """A freshly forked ready worker (named READY_NAME, its rank's
-    ``name`` once it has one): warm up, wait for a rank, become it."""
-    try:
-        set_up_child(loop, index, unlent)
-        mine = pairs[index][1]
-        for ours, theirs in pairs:
-            ours.close()
-            if theirs is not mine:
-                theirs.close()
-        for fd in close_fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        # Waiting, a Ctrl-C meant for the caller is not ours (restored as
-        # lent once a rank comes).  _signal's own call: signal.signal's
-        # enum conversions cost a waking rank some 30 us (see held.py).
-        interrupt = _setsignal(signal.SIGINT, _SIG_IGN)
-        stacks_fd = _arm_stacks_ahead()
-        comm = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)  # one write at the wake
-        _warm_up(zygote, stacks_fd)
-        if warm_fd >= 0:
-            os.close(warm_fd)  # prefork() waits for that
-        message, fds, _flags = _channel.recv_fds(mine, _MAX_ASSIGN, _channel.MAX_FDS)
-        if not message:
-            os._exit(0)  # retired
-        mine.close()
-        try:
-            os.write(comm, name.encode())
-        finally:
-            os.close(comm)
-        _setsignal(signal.SIGINT, interrupt)
-        _become(message, fds, zygote, state, stacks_fd)
-    except BaseException:
-        runner.print_exc()
-    finally:
-        os._exit(1)
-
-
 def _rename(name: str) -> str:
     """Set this process's name (/proc/self/comm); the old one."""
     try:
@@ -469,235 +396,3 @@ def _rename(name: str) -> str:
         return old
     except OSError:
         return name
-
-
-def _noop() -> None:
-    pass
-
-
-def _arm_stacks_ahead() -> int:
-    """Register the stack dump now, on a memfd of its own that the rank's
-    (named for its rank, see _stacks_for) replaces at the wake: the
-    registration's page copies are paid here.  Its fd, -1 if out of fds."""
-    try:
-        fd = worker_stacks.stacks_memfd(-1)
-    except OSError:
-        return -1
-    faulthandler.register(worker_stacks.STACKS_SIGNAL, file=fd, all_threads=True)
-    return fd
-
-
-def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
-    """At the wake: the stack dump armed into a memfd named for ``rank``
-    (as every forked rank's), or, with stacks off, none."""
-    if fd < 0:
-        if wanted:
-            worker_stacks.arm_stacks(rank)
-        return
-    if wanted:
-        try:
-            named = worker_stacks.stacks_memfd(rank)
-        except OSError:
-            named = -1
-        if named >= 0:
-            os.dup2(named, fd, inheritable=False)
-            os.close(named)
-            return
-    faulthandler.unregister(worker_stacks.STACKS_SIGNAL)
-    os.close(fd)
-
-
-def _warm_up(zygote: int, stacks_fd: int) -> None:
-    """Rehearse the wake on the zygote's own state (its environment, cwd
-    and sys.path, which a launch's header will mostly repeat), both ways a
-    wake may go, up to and through a call of a function that does nothing,
-    reported on a channel of its own: the pages the wake writes (objects'
-    reference counts, code the interpreter specialises as it runs it, the
-    heap) are then this worker's before a launch waits for it (about 40
-    page copies a rank fewer than a warm-up that stopped at the unpickling,
-    at some 2.7 us each on the benchmark machine)."""
-    header = protocol.LaunchHeader(
-        nprocs=1,
-        daemon=False,
-        preload=(),
-        sys_path=sys.path,
-        env=os.environ,
-        cwd=os.getcwd(),
-        envs={},
-        process_group=False,
-        process_state={},
-        tracker_index=None,
-        user_fds=0,
-        stdio_slots=(),
-        default_stdio=2,
-        stacks=stacks_fd >= 0,  # else _stacks_for would arm them
-    )
-    encoded = header.encode()
-    brief = Brief(header).encode()
-    work = encoded + pickle.dumps((_noop_rank, ()), pickle.HIGHEST_PROTOCOL)
-    for flags in (0, _SAME_STATE):
-        # The assignment as the zygote sends it, with the launch's channel
-        # (its far end read by nobody) and payload, received as at the wake.
-        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
-        (ours, theirs), (channel, _far) = pairs
-        try:
-            memfd = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
-            try:
-                os.write(memfd, work)
-                message = _ASSIGN.pack(-1, 0, flags, len(encoded), len(brief)) + brief
-                socket.send_fds(ours, [message], [channel.fileno(), memfd])
-            finally:
-                os.close(memfd)
-            message, fds, _flags = _channel.recv_fds(theirs, _MAX_ASSIGN, _channel.MAX_FDS)
-            rank, spec, _stdio, _link = _prepare(message, fds, zygote, stacks_fd)
-            try:
-                worker_forked.rehearse(spec, rank)
-            finally:
-                spec.tx.close()
-        finally:
-            for pair in pairs:
-                for end in pair:
-                    end.close()
-    worker_stdio.whole_lines()
-
-
-def _noop_rank(rank: int) -> None:
-    pass
-
-
-class Brief:
-    """What a ready worker needs of a launch's header beyond the caller's
-    environment, cwd and sys.path: sent with each rank's assignment,
-    pickled once per launch (its ``envs`` left out: each rank gets its
-    own), so that a worker forked with that state already reads no more
-    (see _SAME_STATE)."""
-
-    __slots__ = (
-        "daemon",
-        "envs",
-        "process_state",
-        "stacks",
-        "tracker_index",
-        "line_buffered",
-        "preload",
-        "cwd",
-    )
-    daemon: bool
-    envs: dict[int, dict[str, str]]
-    process_state: dict[str, Any]
-    stacks: bool
-    tracker_index: int | None
-    line_buffered: bool
-    preload: list[str]
-    cwd: str
-
-    def __init__(self, header: protocol.LaunchHeader) -> None:
-        for name in self.__slots__:
-            setattr(self, name, getattr(header, name))
-        self.envs = {}
-
-    def encode(self) -> bytes:
-        return pickle.dumps(self, pickle.HIGHEST_PROTOCOL)
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _brief, tuple(getattr(self, name) for name in self.__slots__)
-
-
-def _brief(*values: Any) -> Brief:
-    brief = Brief.__new__(Brief)
-    for name, value in zip(Brief.__slots__, values, strict=True):
-        setattr(brief, name, value)
-    return brief
-
-
-def _unpickle(
-    header: protocol.LaunchHeader | None, brief: Brief, payload: Any, user_fds: Sequence[int]
-) -> tuple[Any, Any, str | None]:
-    """What Zygote.prepare does, here (``header`` None: the caller's state
-    is this process's already): (fn, args, None), or (None, (), traceback)
-    when that failed (the rank then reports it)."""
-    fn: Any = None
-    args: Any = ()
-    error = None
-    try:
-        if header is not None:
-            take_on_caller(header, user_fds, _noop)
-        else:
-            os.chdir(brief.cwd)  # a directory by that name may be another one now
-            import_all(brief.preload, strict=True)
-            pickling.inherited_fds[:] = user_fds
-            if brief.tracker_index is not None:
-                adopt_tracker(user_fds[brief.tracker_index])
-        fn, args = pickle.load(payload)
-    except BaseException:
-        error = traceback.format_exc()
-    finally:
-        for fd in user_fds:
-            os.close(fd)  # unpickled objects hold their own dups
-        pickling.inherited_fds[:] = []
-        payload.close()
-    return fn, args, error
-
-
-def _prepare(
-    message: bytes, fds: list[int], zygote: int, stacks_fd: int
-) -> tuple[int, worker_forked.ForkSpec, list[int] | None, int | None]:
-    """Read the assignment ``message`` (and its ``fds``, taken over), do
-    what Zygote.launch and Forker.fork_ranks do for a forked rank: (rank,
-    the rank's spec, its stdio fds or None, its link's fd or None)."""
-    rank, user_count, flags, offset, brief_size = _ASSIGN.unpack_from(message)
-    brief: Brief = pickle.loads(message[_ASSIGN.size : _ASSIGN.size + brief_size])
-    own_env = message[_ASSIGN.size + brief_size :]
-    env = pickle.loads(own_env) if own_env else None
-    brief.envs = {rank: env} if env else {}
-    tx = socket.socket(fileno=fds[0])
-    payload = worker_spawned.read_payload(fds[1])
-    extra = iter(fds[2 + user_count :])
-    out = next(extra) if flags & _OUT else -1
-    err = next(extra) if flags & _ERR else -1
-    stdin = next(extra) if flags & _IN else -1
-    own_link = next(extra) if flags & _LINK else None
-    if flags & _SAME_STATE:
-        # The caller's environment, cwd and sys.path are those this worker
-        # was forked with (the zygote's since): no need to read them.
-        payload.seek(offset)
-        header = None
-    else:
-        header = protocol.LaunchHeader.decode(payload)
-    fn, args, payload_error = _unpickle(header, brief, payload, fds[2 : 2 + user_count])
-    _stacks_for(rank, brief.stacks, stacks_fd)
-    spec = worker_forked.ForkSpec(
-        zygote,
-        fn,
-        args,
-        tx,
-        daemon=brief.daemon,
-        envs=brief.envs,
-        payload_error=payload_error,
-        stdin=stdin,
-        process_state=brief.process_state,
-        from_zygote=True,
-    )
-    spec.parent_death_armed = True  # by the fork loop
-    # What exists now is the zygote's as far as the rank's exit goes, as for
-    # a rank forked after the zygote unpickled (Forker.worker_spec).
-    runner.zygote_finalizer_index = runner.next_finalizer_index(weakref.finalize)
-    logging = sys.modules.get("logging")
-    runner.zygote_handlers = len(getattr(logging, "_handlerList", ()))
-    if brief.line_buffered:
-        worker_stdio.line_buffer_stdout()
-    stdio = None if out == err == -1 else [out, err]
-    return rank, spec, stdio, own_link
-
-
-def _become(
-    message: bytes, fds: list[int], zygote: int, state: dict[str, Any], stacks_fd: int
-) -> NoReturn:
-    """Become the rank assigned by ``message``: what Zygote.launch and
-    Forker.fork_ranks do for a forked rank, then forked_child."""
-    rank, spec, stdio, own_link = _prepare(message, fds, zygote, stacks_fd)
-    if "numpy.random" in sys.modules:
-        worker_forked.reseed()
-    if own_link is not None:
-        link.use(socket.socket(fileno=own_link), zygote, state)
-    worker_forked.forked_child(spec, rank, stdio)
