@@ -23,7 +23,7 @@ _pthread_sigmask: Callable[[int, Iterable[int]], set[int]] = sys.modules["_signa
 # Likewise signal.getsignal and signal.signal, whose wrappers try to make an
 # enum of a handler that is a function, and fail, at a cost: 22 us for a
 # held block (12 handlers looked at, SIGINT's swapped and put back) against
-# 8 without them (python -m timeit, Python 3.11, AMD EPYC), and a launch
+# 6 without them (python -m timeit, Python 3.11, AMD EPYC), and a launch
 # holds signals some 11 times.
 _getsignal: Callable[[int], Any] = sys.modules["_signal"].getsignal
 _setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal

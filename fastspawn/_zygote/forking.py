@@ -94,12 +94,14 @@ class Forker:
             if loop.next < header.nprocs:
                 # What forked ranks need, made once ready workers took theirs
                 # (a launch they all took waits for none of it).
+                call = "the forked ranks' set-up"
                 spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
                 spec.stacks = stacks.in_worker
                 spec.parent_death_armed = True  # by the fork loop
                 # Decided here, not in each worker (a call and a lookup there).
                 self.reseed_numpy = "numpy.random" in sys.modules
                 stacks.begin()
+                call = "the fork loop"
             while loop.next < header.nprocs:
                 first = loop.next
                 prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None
