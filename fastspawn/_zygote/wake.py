@@ -112,8 +112,8 @@ def in_ready_worker(
         os._exit(1)
 
 
-def _noop() -> None:
-    pass
+def _noop(*_args: object) -> None:
+    """Does nothing: the rehearsal's fn, and take_on_caller's settle there."""
 
 
 def _arm_stacks_ahead() -> int:
@@ -154,9 +154,10 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
     wake may go, up to and through a call of a function that does nothing,
     reported on a channel of its own: the pages the wake writes (objects'
     reference counts, code the interpreter specialises as it runs it, the
-    heap) are then this worker's before a launch waits for it (about 40
-    page copies a rank fewer than a warm-up that stopped at the unpickling,
-    at some 2.7 us each on the benchmark machine)."""
+    heap) are then this worker's before a launch waits for it (a rank's
+    page faults from its wake to fn: about 76 with a warm-up that stopped
+    at the unpickling, 12 now, at some 2.7 us each on the benchmark
+    machine)."""
     header = protocol.LaunchHeader(
         nprocs=1,
         daemon=False,
@@ -175,7 +176,7 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
     )
     encoded = header.encode()
     brief = Brief(header).encode()
-    work = encoded + pickle.dumps((_noop_rank, ()), pickle.HIGHEST_PROTOCOL)
+    work = encoded + pickle.dumps((_noop, ()), pickle.HIGHEST_PROTOCOL)
     for flags in (0, SAME_STATE):
         # The assignment as the zygote sends it, with the launch's channel
         # (its far end read by nobody) and payload, received as at the wake.
@@ -200,10 +201,6 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
                 for end in pair:
                     end.close()
     worker_stdio.whole_lines()
-
-
-def _noop_rank(rank: int) -> None:
-    pass
 
 
 class Brief:
