@@ -16,6 +16,7 @@ Usage: ``python -m fastspawn._bench.mp_child CONTEXT CONFIG_JSON OUT_FILE``;
 from __future__ import annotations
 
 import os
+import struct
 import time
 
 import torch
@@ -25,6 +26,7 @@ import fastspawn  # registers fastspawn's contexts with multiprocessing
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 # The row measured without any context: a bare fork loop, an in-process loader.
@@ -119,6 +121,67 @@ def process_loop(ctx: Any, n: int, gap: float = 0.0) -> list[float]:
         if gap:
             time.sleep(gap)
     return times
+
+
+def stamp_entry(fifo: str) -> None:
+    """target_loop's target: the time of its first line (time.monotonic(),
+    one clock for every process of the machine), written to ``fifo``."""
+    entered = time.monotonic()
+    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.write(fd, _STAMP.pack(entered))
+    finally:
+        os.close(fd)
+
+
+_STAMP = struct.Struct("=d")
+
+
+def target_loop(
+    ctx: Any, n: int, gap: float = 0.0, before: Callable[[], object] | None = None
+) -> list[tuple[float, float, float]]:
+    """Per ``ctx.Process(target=stamp_entry)``: (seconds from Process() to
+    start()'s return, to the target's first line, to the joined exit);
+    ``gap`` seconds between
+    one's close and the next start, ``before()`` called before each start
+    (both untimed).  The stamps come through a FIFO in a private temporary
+    directory, removed on the way out."""
+    import tempfile
+
+    samples = []
+    with tempfile.TemporaryDirectory(prefix="fastspawn-starts-") as folder:
+        fifo = os.path.join(folder, "entered")
+        os.mkfifo(fifo, 0o600)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # Held open: a target's close is then no end of file for the next.
+        writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            for _ in range(n):
+                if before is not None:
+                    before()
+                t0 = time.monotonic()
+                proc = ctx.Process(target=stamp_entry, args=(fifo,))
+                proc.start()
+                started = time.monotonic()
+                proc.join()
+                joined = time.monotonic()
+                if proc.exitcode != 0:
+                    raise RuntimeError(f"a process exited with {proc.exitcode}")
+                proc.close()
+                try:
+                    stamp = os.read(reader, _STAMP.size)
+                except BlockingIOError:
+                    stamp = b""
+                if len(stamp) != _STAMP.size:
+                    raise RuntimeError("a process exited 0 without writing its stamp")
+                (entered,) = _STAMP.unpack(stamp)
+                samples.append((started - t0, entered - t0, joined - t0))
+                if gap:
+                    time.sleep(gap)
+        finally:
+            os.close(writer)
+            os.close(reader)
+    return samples
 
 
 def fork_loop(n: int) -> list[float]:
