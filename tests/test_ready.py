@@ -180,6 +180,40 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
 
 
 @pytest.mark.version_neutral
+def test_a_process_never_gets_a_ready_worker_that_died(no_background_refill):
+    """Ready workers killed (by pid, here) before the zygote reaped them
+    are not given a Process (its pid goes to the caller before the worker
+    is woken): the Process is forked and runs."""
+    ready = prefork(2)
+    for pid in ready:
+        os.kill(pid, signal.SIGKILL)
+    process = fastspawn.get_context("fastspawn").Process(target=mp_targets.exit_with, args=(7,))
+    process.start()
+    try:
+        assert process.pid not in ready
+        process.join(DEADLINE)
+        assert process.exitcode == 7
+    finally:
+        if process.exitcode is None:
+            process.kill()
+            process.join(DEADLINE)
+        process.close()
+
+
+@pytest.mark.version_neutral
+def test_a_launch_preloading_what_the_zygote_lacks_forks_its_ranks(no_background_refill):
+    """preload= of a module the zygote lacks: the zygote imports it once
+    (which retires the ready workers: they lack it) and forks the ranks
+    with it, rather than each ready worker importing it."""
+    ready = prefork(2)
+    ctx = fastspawn.start_processes(
+        workers.module_loaded, args=("pyclbr",), nprocs=2, preload=["pyclbr"]
+    )
+    assert ctx.return_values == {0: True, 1: True}
+    assert not set(ctx.pids()) & ready
+
+
+@pytest.mark.version_neutral
 def test_preload_retires_the_ready_workers(no_background_refill):
     ready = prefork(2)
     fastspawn.preload(["tabnanny"])

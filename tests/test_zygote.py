@@ -92,12 +92,17 @@ def test_sigkill_of_zygote_kills_workers_and_their_children(victim, daemons):
         kill_driver(driver)
 
 
-def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ready", [False, True], ids=["forked", "ready_workers"])
+def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypatch, ready):
     # The guard's death reaches the zygote as SIGTERM, raised as SystemExit
     # wherever it runs.  Landing in a launch's unpickling (an import), it
     # passed for the payload's error: the zygote served on, the launch's
     # workers reported that SystemExit as theirs, and the caller's watcher
     # SIGKILLed the zygote 5 s later, leaving the workers' daemons to init.
+    # Forked ranks wait for that unpickling: the launch fails.  Ready
+    # workers take their ranks first (each unpickles, importing the module
+    # too): the zygote's own unpickling comes after, and the ranks die with
+    # the zygote, the launch failed or its ranks reported killed.
     folder = tmp_path / "pids"
     folder.mkdir()
     importing = tmp_path / "importing"
@@ -131,18 +136,22 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
             pids += map(int, (folder / name).read_text().split())
         zygote = client.zygote_pid()
         assert zygote is not None
-        (guard,) = client.helper_processes()[0] - {zygote} - client.ready_workers(zygote)
+        assert fastspawn.prefork(2 if ready else 0, refill=False) == (2 if ready else 0)
+        taking = client.ready_workers(zygote)
+        (guard,) = client.helper_processes()[0] - {zygote} - taking
         thread.start()
         while not importing.exists():
             assert time.monotonic() < deadline + 30, "the zygote did not start the import"
             time.sleep(0.05)
         os.kill(guard, signal.SIGKILL)
-        alive = alive_after(pids + [zygote], 2.0)
+        alive = alive_after(pids + [zygote, *taking], 2.0)
         assert alive == [], f"alive 2 s after SIGKILL of the guard: {alive}"
         thread.join(30)
         assert not thread.is_alive()
-        assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
-        assert "the zygote died during the launch" in str(outcome[0])
+        assert len(outcome) == 1, outcome
+        if not ready or not isinstance(outcome[0], fastspawn.ProcessExitedException):
+            assert isinstance(outcome[0], RuntimeError), outcome
+            assert "the zygote died during the launch" in str(outcome[0])
         with pytest.raises(fastspawn.ProcessExitedException):
             while not ctx.join(timeout=30):
                 pass

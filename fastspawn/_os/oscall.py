@@ -113,6 +113,11 @@ class ForkLoop:
         self._plan.next = len(started)
 
     @property
+    def nprocs(self) -> int:
+        """How many ranks the loop is for, the started ones included."""
+        return int(self._plan.nprocs)
+
+    @property
     def next(self) -> int:
         """The rank to fork next (nprocs: all are forked)."""
         return int(self._plan.next)

@@ -16,7 +16,7 @@ from fastspawn._worker import stacks as worker_stacks
 from fastspawn._worker import stdio as worker_stdio
 from fastspawn._zygote import link, protocol
 from fastspawn._zygote.launch import Launch, LaunchStdio, report_failure
-from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals, let_signals_through
+from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals, let_signals_through, terminating
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,39 +42,38 @@ class Forker:
         header: protocol.LaunchHeader,
         launch: Launch,
         stdio: LaunchStdio,
-        fn: Any,
-        args: Any,
-        payload_error: str | None,
-        close_fds: list[int],
+        prepare: Callable[[], tuple[Any, Any, str | None]],
+        close_fds: Callable[[], list[int]],
         links: Sequence[socket.socket] = (),
         wake: Callable[[int], list[int]] | None = None,
     ) -> list[int]:
         """Fork every rank of a launch; the pids forked.  On a failure the
         launch reports it, and the ranks forked so far are killed (still
         counted live until reaped); the pids returned are then none.
-        ``close_fds``: the zygote's own fds, which no worker keeps;
-        ``links``: each rank's link, our end then its (Zygote.fork_links);
-        ``wake``: gives the first ranks to ready workers, once the launch's
-        process group (its argument) is made (ReadyPool.wake); their pids."""
+        ``prepare``: (fn, args, payload error) for the forked ranks
+        (Zygote.prepare), called once the ready workers took theirs, and only
+        if ranks remain; ``close_fds``: the zygote's own fds, which no worker
+        keeps (asked for once the wake and ``prepare`` closed and opened
+        theirs); ``links``: each rank's link, our end then its
+        (Zygote.fork_links); ``wake``: gives the first ranks to ready
+        workers, once the launch's process group (its argument) is made
+        (ReadyPool.wake); their pids."""
         stacks = worker_stacks.ForkStacks(header.stacks)
         pids: list[int] = []
-        # A signal landing between fork and the worker's own handling would
-        # run the zygote's handlers in the worker (SIGTERM would make it act
-        # as a zygote shutting down, and exit 0).  Block them across the
-        # loop; each worker unblocks them with its own handlers in place.
-        signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
         # Fork under the caller's RLIMIT_NPROC, not ours (the caller's as
         # the zygote started): past it, the launch fails with EAGAIN as the
-        # caller's own fork would.
+        # caller's own fork would.  (A caller with a limit of its own gets
+        # no ready workers, and its fn and args were unpickled before: no
+        # code of the user's runs under its limit here.)
         saved_limits = procstate.adopt_fork_limits(header.process_state)
         group = 0
+        lent = False
         call = "fs_group_anchor"  # what runs now, for the report of a failure
         try:
-            unlent = self.signals.lend()
             # The launch's process group is led by an anchor that exits at
             # once (its zombie holds the group until every rank has joined),
             # so no rank leads it and each may still setsid(), as a spawned
-            # worker can.
+            # worker can.  (Every signal is blocked in the anchor.)
             group = oscall.group_anchor() if header.process_group else 0
             launch.group = group or header.join_group or os.getpgrp()
             if group:
@@ -83,55 +82,106 @@ class Forker:
             pids = wake(group or header.join_group) if wake is not None else []
             for rank, pid in enumerate(pids):
                 self.workers[pid] = (launch, rank)
-            loop = oscall.ForkLoop(
-                header.nprocs,
-                self.me,
-                group or header.join_group,
-                signal.SIGKILL,
-                () if unlent else ZYGOTE_SIGNALS,
-                started=pids,
-            )
-            if loop.next < header.nprocs:
+            if len(pids) < header.nprocs:
                 # What forked ranks need, made once ready workers took theirs
                 # (a launch they all took waits for none of it).
                 call = "the forked ranks' set-up"
-                spec = self.worker_spec(header, launch, stdio, fn, args, payload_error, close_fds)
-                spec.stacks = stacks.in_worker
-                spec.parent_death_armed = True  # by the fork loop
-                # Decided here, not in each worker (a call and a lookup there).
-                self.reseed_numpy = "numpy.random" in sys.modules
-                stacks.begin()
+                prepared = prepare()
+                lent = True  # (from here on: taking back what was not lent undoes nothing)
+                loop, spec, unlent = self.set_up_loop(
+                    header, launch, stdio, prepared, close_fds(), stacks, pids, group
+                )
+                del prepared
                 call = "the fork loop"
-            while loop.next < header.nprocs:
-                first = loop.next
-                prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None
-                rank = loop.fork(prefix, stacks.fd)
-                if rank != -1:
-                    self.in_worker(spec, rank, stdio, loop, unlent, links)
+                call, error = self.fork_loop(loop, spec, stdio, unlent, links, launch, stacks)
                 pids = loop.pids
-                for forked, pid in enumerate(pids[first:], first):
-                    self.workers[pid] = (launch, forked)
-                step, error = loop.failure()
-                if step == oscall.ForkLoop.STEP_STACKS:
-                    stacks.failed()  # out of fds: the rest go without
-                elif error is not None:
-                    if step == oscall.ForkLoop.STEP_FORK:
-                        call = f"fork of rank {loop.next} of {header.nprocs}"
-                    else:  # FS_FORK_SETPGID, of the rank last forked
-                        call = f"setpgid of rank {loop.next - 1}"
+                if error is not None:
                     raise error
         except BaseException as exc:
+            if terminating():
+                raise  # our own shutdown (the guard died): no failure of the launch's
             report_failure(launch, pids, call, exc)
             pids = []
         finally:
             if group:
                 oscall.release_group_anchor(group)
             stacks.end()
-            self.signals.take_back()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
+            if lent:
+                self.signals.take_back()
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
             stdio.close()
             procstate.restore_limits(saved_limits)
         return pids
+
+    def set_up_loop(
+        self,
+        header: protocol.LaunchHeader,
+        launch: Launch,
+        stdio: LaunchStdio,
+        prepared: tuple[Any, Any, str | None],
+        close_fds: list[int],
+        stacks: worker_stacks.ForkStacks,
+        started: list[int],
+        group: int,
+    ) -> tuple[oscall.ForkLoop, worker_forked.ForkSpec, set[int]]:
+        """Before fork_ranks' loop: the zygote's signals blocked and the
+        workers' handlers lent (Signals.take_back and an unblock undo both),
+        the loop (``started``: the ready workers' pids; ``group``: the
+        launch's anchored process group or 0), the ranks' spec from
+        ``prepared`` (fn, args, payload error), the stack dump registered;
+        and the signals not lent."""
+        # A signal landing between fork and the worker's own handling would
+        # run the zygote's handlers in the worker (SIGTERM would make it act
+        # as a zygote shutting down, and exit 0).  Block them across the
+        # loop; each worker unblocks them with its own handlers in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
+        unlent = self.signals.lend()
+        loop = oscall.ForkLoop(
+            header.nprocs,
+            self.me,
+            group or header.join_group,
+            signal.SIGKILL,
+            () if unlent else ZYGOTE_SIGNALS,
+            started=started,
+        )
+        spec = self.worker_spec(header, launch, stdio, *prepared, close_fds)
+        spec.stacks = stacks.in_worker
+        spec.parent_death_armed = True  # by the fork loop
+        # Decided here, not in each worker (a call and a lookup there).
+        self.reseed_numpy = "numpy.random" in sys.modules
+        stacks.begin()
+        return loop, spec, unlent
+
+    def fork_loop(
+        self,
+        loop: oscall.ForkLoop,
+        spec: worker_forked.ForkSpec,
+        stdio: LaunchStdio,
+        unlent: set[int],
+        links: Sequence[socket.socket],
+        launch: Launch,
+        stacks: worker_stacks.ForkStacks,
+    ) -> tuple[str, OSError | None]:
+        """Fork the ranks ``loop`` has yet to, each into ``spec``: the step
+        that failed and its error, or (the loop, None) once all are forked
+        (their pids in ``loop.pids``, each recorded in ``workers``)."""
+        nprocs = loop.nprocs
+        while loop.next < nprocs:
+            first = loop.next
+            prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None
+            rank = loop.fork(prefix, stacks.fd)
+            if rank != -1:
+                self.in_worker(spec, rank, stdio, loop, unlent, links)
+            for forked, pid in enumerate(loop.pids[first:], first):
+                self.workers[pid] = (launch, forked)
+            step, error = loop.failure()
+            if step == oscall.ForkLoop.STEP_STACKS:
+                stacks.failed()  # out of fds: the rest go without
+            elif error is not None:
+                if step == oscall.ForkLoop.STEP_FORK:
+                    return f"fork of rank {loop.next} of {nprocs}", error
+                return f"setpgid of rank {loop.next - 1}", error  # of the rank last forked
+        return "the fork loop", None
 
     def worker_spec(
         self,

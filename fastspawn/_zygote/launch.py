@@ -41,6 +41,7 @@ class Launch:
         self.mp_process = mp_process
         self.group = 0  # the workers' process group (set as they are forked)
         self.unsent_pids = 0  # PIDS messages queued, not yet on the channel
+        self.pids_said = False  # send_pidfds ran: the workers' pidfds (or a failure) queued
 
     def queue(self, rank: int, kind: int, body: bytes, fds: Sequence[int] = ()) -> None:
         header = _channel.HEADER.pack(rank, kind, _channel.LAST)
@@ -190,12 +191,13 @@ class LaunchStdio:
                 os.close(caller_fd)
 
 
-def send_pidfds(launch: Launch, pids: list[int]) -> None:
+def send_pidfds(launch: Launch, pids: list[int]) -> bool:
     """Queue the workers' pidfds for the caller, MAX_FDS a message.  Opened
     only now, so no worker inherits its siblings'; none is reaped yet (that
     happens in the main loop), so each pid still names our worker.  Without
     pidfds (out of fds, say) the caller cannot have the workers: the launch
-    fails and they are killed."""
+    fails and they are killed (False)."""
+    launch.pids_said = True
     try:
         for start in range(0, len(pids), _channel.MAX_FDS):
             chunk = pids[start : start + _channel.MAX_FDS]
@@ -218,6 +220,8 @@ def send_pidfds(launch: Launch, pids: list[int]) -> None:
         launch.queue(-1, _channel.LAUNCH_FAILED, failure.encode())
         for pid in pids:
             os.kill(pid, signal.SIGKILL)  # unreaped: the pid is still theirs
+        return False
+    return True
 
 
 def report_failure(launch: Launch, pids: list[int], call: str, exc: BaseException) -> None:
@@ -263,6 +267,16 @@ def take_on_caller(
     if header.tracker_index is not None:
         adopt_tracker(user_fds[header.tracker_index])
     return changed
+
+
+def holds_caller_state(header: protocol.LaunchHeader) -> bool:
+    """Whether this process has the caller's environment, cwd and sys.path
+    as the launch has them: take_on_caller would change none of them."""
+    try:
+        here: str | None = os.getcwd()
+    except OSError:
+        here = None
+    return here == header.cwd and sys.path == header.sys_path and os.environ == header.env
 
 
 class PreloadError(ImportError):

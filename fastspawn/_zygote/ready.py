@@ -7,7 +7,10 @@ has not exec'd) and sends it the rank, the launch's channel and payload
 memfd, the fds its arguments carry, its stdio and, for a multiprocessing
 process, its link.  The worker becomes that rank (fastspawn._zygote.wake,
 the worker's side, which also rehearses the wake before it waits).  The
-ranks a launch needs beyond the ready ones are forked as before.
+ranks a launch needs beyond the ready ones are forked as before.  The
+ready workers take theirs before the zygote unpickles the launch (see
+Zygote.start_ranks); a multiprocessing process's caller has the pid before
+its worker is woken.
 
 Each ready worker is forked by the same C loop as a launch's ranks
 (PR_SET_PDEATHSIG against the zygote, checked; the workers' signal
@@ -60,7 +63,7 @@ from fastspawn._zygote.wake import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any
 
 # A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
@@ -261,50 +264,26 @@ class ReadyPool:
         return len(pids)
 
     def wake(
-        self,
-        header: protocol.LaunchHeader,
-        offset: int,
-        tx: int,
-        payload: int,
-        user_fds: Sequence[int],
-        stdio: LaunchStdio,
-        links: Sequence[socket.socket],
-        group: int,
+        self, ranks: Ranks, group: int, report: Callable[[list[int]], bool] | None = None
     ) -> list[int]:
-        """Give the first ranks of a launch to ready workers: their pids,
-        rank by rank (fewer than nprocs when too few are ready).  A worker
-        that cannot take its rank (dead meanwhile) is killed, and the next
-        one takes it.  ``offset``: where fn and args start in the payload."""
+        """Give the first ranks of a launch to ready workers, ``group`` its
+        process group (0: none of its own): their pids, rank by rank (fewer
+        than nprocs when too few are ready).  Each worker is woken as it is
+        taken; a worker dead meanwhile is killed, and the next one takes its
+        rank.  With ``report``, see _wake_reported."""
+        header = ranks.header
+        if report is not None and len(self.waiting) >= header.nprocs:
+            return self._wake_reported(ranks, group, report)
         pids: list[int] = []
-        brief = Brief(header).encode()
-        envs = header.envs
         while self.waiting and len(pids) < header.nprocs:
-            rank = len(pids)
-            own_env = pickle.dumps(envs.get(rank), pickle.HIGHEST_PROTOCOL) if envs else b""
-            if ASSIGN.size + len(brief) + len(own_env) > MAX_ASSIGN:
+            taken = self._take(ranks, len(pids))
+            if taken is None:
                 break  # a preload list that large: the ranks are forked
-
-            pid = next(iter(self.waiting))
-            ours = self.waiting.pop(pid)
-            same = self.born.pop(pid) == self.generation
-            fds, flags = [tx, payload, *user_fds], SAME_STATE if same else 0
-            own, _unused = stdio.for_rank(rank)
-            for bit, fd in zip((OUT, ERR), own or (-1, -1), strict=True):
-                if fd >= 0:
-                    fds.append(fd)
-                    flags |= bit
-            if stdio.caller_in is not None:
-                fds.append(stdio.caller_in)
-                flags |= IN
-            if links:
-                fds.append(links[2 * rank + 1].fileno())
-                flags |= LINK
-            message = ASSIGN.pack(rank, len(user_fds), flags, offset, len(brief))
-            message += brief + own_env
+            pid, ours, message, sent = taken
             try:
                 if group:
                     os.setpgid(pid, group)
-                socket.send_fds(ours, [message], fds)
+                socket.send_fds(ours, message, sent)
             except OSError:
                 _kill(pid)  # our unreaped child: the pid is its own
                 continue
@@ -312,6 +291,72 @@ class ReadyPool:
                 ours.close()
             pids.append(pid)
         return pids
+
+    def _wake_reported(
+        self, ranks: Ranks, group: int, report: Callable[[list[int]], bool]
+    ) -> list[int]:
+        """wake(), the caller told the pids first: ready workers take every
+        rank, ``report`` has their pids, and only then is any woken (report
+        False: the launch failed there, none is).  The caller runs first so,
+        where woken workers would take the cores it waits on for the pids
+        (on 2 cores start() returned 1-1.7 ms later so, after the target
+        had run; benchmarks/README.md).  A worker found dead is not taken;
+        one that dies after its pid went out is killed, its rank ends so.
+        If too few are left to take every rank (some were dead), those
+        taken are woken in turn, up to the first that cannot be."""
+        nprocs = ranks.header.nprocs
+        taken: list[tuple[int, socket.socket, list[bytes], list[int]]] = []
+        while self.waiting and len(taken) < nprocs:
+            one = self._take(ranks, len(taken))
+            if one is None:
+                break
+            pid, ours = one[:2]
+            try:
+                if _exited(pid):
+                    raise ChildProcessError(f"ready worker {pid} exited")  # its SIGCHLD comes
+                if group:
+                    os.setpgid(pid, group)
+            except OSError:
+                _kill(pid)
+                ours.close()
+                continue
+            taken.append(one)
+        pids = [pid for pid, _ours, _message, _sent in taken]
+        reported = len(pids) == nprocs
+        wake = not reported or report(pids)
+        for index, (pid, ours, message, sent) in enumerate(taken):
+            try:
+                if index >= len(pids):
+                    _kill(pid)  # after one that could not be woken: its rank is forked
+                elif wake:
+                    socket.send_fds(ours, message, sent)
+            except OSError:
+                _kill(pid)  # reported: its rank ends so; else forked
+                if not reported:
+                    del pids[index:]
+            finally:
+                ours.close()
+        return pids
+
+    def _take(
+        self, ranks: Ranks, rank: int
+    ) -> tuple[int, socket.socket, list[bytes], list[int]] | None:
+        """The oldest ready worker, out of the pool, for ``rank``: its pid,
+        our end of its socketpair, its assignment and the fds that go with
+        it; None (and none taken) if the assignment would be too large."""
+        header = ranks.header
+        own_env = (
+            pickle.dumps(header.envs.get(rank), pickle.HIGHEST_PROTOCOL) if header.envs else b""
+        )
+        if ASSIGN.size + len(ranks.brief) + len(own_env) > MAX_ASSIGN:
+            return None
+        pid = next(iter(self.waiting))
+        ours = self.waiting.pop(pid)
+        same = self.born.pop(pid) == self.generation and ranks.same_state
+        sent, flags = ranks.fds_of(rank)
+        flags |= SAME_STATE if same else 0
+        head = ASSIGN.pack(rank, len(ranks.fds[2]), flags, ranks.offset, len(ranks.brief))
+        return pid, ours, [head + ranks.brief + own_env], sent
 
     @staticmethod
     def dup_fds(fds: Sequence[int]) -> list[int] | None:
@@ -369,6 +414,59 @@ class ReadyPool:
             _kill(pid)
         self.waiting.clear()
         self.born.clear()
+
+
+class Ranks:
+    """What the assignments of one launch's ranks are made of: its header;
+    where fn and args start in its payload (``offset``); its channel, its
+    payload and the fds its arguments carry (``fds``); its stdio and links;
+    whether the zygote holds the caller's environment, cwd and sys.path now
+    (``same_state``: launch.holds_caller_state); its Brief, pickled once."""
+
+    def __init__(
+        self,
+        header: protocol.LaunchHeader,
+        offset: int,
+        fds: tuple[int, int, Sequence[int]],
+        stdio: LaunchStdio,
+        links: Sequence[socket.socket],
+        same_state: bool,
+    ) -> None:
+        self.header = header
+        self.offset = offset
+        self.fds = fds
+        self.stdio = stdio
+        self.links = links
+        self.same_state = same_state
+        self.brief = Brief(header).encode()
+
+    def fds_of(self, rank: int) -> tuple[list[int], int]:
+        """The fds of ``rank``'s assignment (the launch's channel, payload
+        and argument fds, then its own stdio, the caller's stdin, its link)
+        and the flags that say which of the optional ones follow."""
+        tx, payload, user_fds = self.fds
+        sent, flags = [tx, payload, *user_fds], 0
+        own, _unused = self.stdio.for_rank(rank)
+        for bit, fd in zip((OUT, ERR), own or (-1, -1), strict=True):
+            if fd >= 0:
+                sent.append(fd)
+                flags |= bit
+        if self.stdio.caller_in is not None:
+            sent.append(self.stdio.caller_in)
+            flags |= IN
+        if self.links:
+            sent.append(self.links[2 * rank + 1].fileno())
+            flags |= LINK
+        return sent, flags
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child ``pid`` has exited (left unreaped: SIGCHLD's
+    handling reaps it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def own_nproc(header: protocol.LaunchHeader) -> bool:

@@ -27,16 +27,18 @@ from fastspawn._zygote.forking import Forker
 from fastspawn._zygote.launch import (
     Launch,
     LaunchStdio,
+    holds_caller_state,
     import_all,
     release_tracker,
     send_pidfds,
     take_on_caller,
 )
-from fastspawn._zygote.ready import ReadyPool, own_nproc
+from fastspawn._zygote.ready import Ranks, ReadyPool, own_nproc
 from fastspawn._zygote.signals import Signals, terminating
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 
@@ -288,15 +290,26 @@ class Zygote:
                 tx.close()
                 return
             try:
-                pids = self.start_ranks(header, payload, (fds[1], header_size), carried, launch)
+                pids, after = self.start_ranks(
+                    header, payload, (fds[1], header_size), carried, launch
+                )
             finally:
                 os.close(fds[1])
-            send_pidfds(launch, pids)
+            try:
+                if not launch.pids_said:  # (a multiprocessing process's, said early)
+                    send_pidfds(launch, pids)
+            except BaseException:
+                after()
+                raise
         finally:
             procstate.restore_limits(saved_limits)
-        self.channels[tx.fileno()] = launch
-        self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
-        self.on_writable(launch)
+        # The pidfds go out first: the caller waits for them, the rest waits.
+        try:
+            self.channels[tx.fileno()] = launch
+            self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
+            self.on_writable(launch)
+        finally:
+            after()
 
     def start_ranks(
         self,
@@ -305,19 +318,33 @@ class Zygote:
         payload_file: tuple[int, int],
         carried: list[int],
         launch: Launch,
-    ) -> list[int]:
+    ) -> tuple[list[int], Callable[[], None]]:
         """Take on the caller's state and start a launch's ranks (``carried``:
         all its fds beside the channel and payload; ``payload_file``: the
-        payload's fd, and where fn and args start in it); their pids (none
-        when the launch failed, which is reported on its channel)."""
+        payload's fd, and where fn and args start in it): their pids (none
+        when the launch failed, which is reported on its channel), and what
+        is left to do once the caller has them."""
         payload_fd, offset = payload_file
         user_fds = carried[: header.user_fds]
         stdio = LaunchStdio(header, carried[header.user_fds :])
         # Ready workers unpickle for themselves, with dups of the
         # arguments' fds: prepare() closes ours.
         wake_fds = self.ready.dup_fds(user_fds) if self.ready.usable_for(header) else None
-        fn, args, payload_error = self.prepare(header, payload, user_fds, launch.tx)
-        if header.binary is not None and payload_error is None:
+        prepared: list[tuple[Any, Any, str | None]] = []
+
+        def prepare() -> tuple[Any, Any, str | None]:
+            if not prepared:
+                prepared.append(self.prepare(header, payload, user_fds, launch.tx))
+            return prepared[0]
+
+        # Ready workers take their ranks before the zygote takes on the
+        # caller's state and unpickles (for the ranks it forks, and once
+        # for the workers made ready later): a launch waits for none of it.
+        # Unless the launch's preload= brings modules the zygote lacks:
+        # imported here once, they retire the ready workers (see settle).
+        if wake_fds is None or not all(name in sys.modules for name in header.preload):
+            prepare()
+        if header.binary is not None and prepare()[2] is None:
             pids = self.forker.start_binaries(header, launch, stdio)
         else:
             # (Not with ready workers: they hold the old pages.)
@@ -327,35 +354,46 @@ class Zygote:
             links = self.fork_links(header)
 
             def wake(group: int) -> list[int]:
-                if wake_fds is None or payload_error is not None:
+                if wake_fds is None or (prepared and prepared[0][2] is not None):
                     return []
-                tx = launch.tx.fileno()
-                return self.ready.wake(
-                    header, offset, tx, payload_fd, wake_fds, stdio, links, group
-                )
+                fds = (launch.tx.fileno(), payload_fd, wake_fds)
+                ranks = Ranks(header, offset, fds, stdio, links, holds_caller_state(header))
+                # A multiprocessing process's start() returns with its pid:
+                # the caller has it before the worker is woken.
+                return self.ready.wake(ranks, group, tell_pids if header.mp_process else None)
+
+            def tell_pids(pids: list[int]) -> bool:
+                said = send_pidfds(launch, pids)
+                launch.flush()
+                return said
+
+            def own_fds() -> list[int]:
+                return [*self.own_fds(), payload_fd, *(wake_fds or ())]
 
             try:
-                own_fds = [*self.own_fds(), payload_fd, *(wake_fds or ())]
-                pids = self.forker.fork_ranks(
-                    header, launch, stdio, fn, args, payload_error, own_fds, links, wake
-                )
+                pids = self.forker.fork_ranks(header, launch, stdio, prepare, own_fds, links, wake)
             finally:
                 for fd in wake_fds or ():
                     os.close(fd)
             self.keep_links(pids, links)
-        del fn, args
-        release_tracker()  # the workers hold the caller's tracker now
-        # Arguments in a reference cycle (an object that refers to itself)
-        # would wait for a collection, or be frozen by settle(), holding the
-        # fds they carry open for every later worker: collect them now.
-        # Frozen objects are not traversed, so this is cheap (0.2 ms with
-        # torch preloaded) except once after unpickling imported a large
-        # module (torch not preloaded: 150k new objects, 93 ms, beside the
-        # import's 1.8 s); only a full collection is sure to reach arguments
-        # that a large unpickling pushed into the old generation.
-        gc.collect()
-        self.settle()  # what unpickling imported (the module of fn, say)
-        return pids
+
+        def after() -> None:
+            prepare()  # if the ready workers took every rank: for those made later
+            prepared.clear()  # fn and args
+            release_tracker()  # the workers hold the caller's tracker now
+            # Arguments in a reference cycle (an object that refers to
+            # itself) would wait for a collection, or be frozen by settle(),
+            # holding the fds they carry open for every later worker:
+            # collect them now.  Frozen objects are not traversed, so this is
+            # cheap (0.2 ms with torch preloaded) except once after
+            # unpickling imported a large module (torch not preloaded: 150k
+            # new objects, 93 ms, beside the import's 1.8 s); only a full
+            # collection is sure to reach arguments that a large unpickling
+            # pushed into the old generation.
+            gc.collect()
+            self.settle()  # what unpickling imported (the module of fn, say)
+
+        return pids, after
 
     def prepare(
         self,
