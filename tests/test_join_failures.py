@@ -27,6 +27,7 @@ def start(fn, args=(), nprocs=3, start_method="zygote", **kwargs):
 # ------------------------------------------------------------- teardown
 
 
+@pytest.mark.version_neutral  # waits seconds by design, the same on every version
 def test_join_grace_period_inf_raises_the_failure_and_leaves_nothing_running(start_method, caplog):
     caplog.set_level(logging.WARNING, logger="fastspawn")
     ctx = start(workers.raise_on_rank0_others_ignore_sigterm, (3.0,), start_method=start_method)

@@ -439,6 +439,7 @@ def test_pdeathsig_with_live_parent_is_armed():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.version_neutral  # waits seconds by design, the same on every version
 def test_workers_survive_launching_thread_exit(start_method):
     box = {}
 
