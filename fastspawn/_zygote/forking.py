@@ -91,7 +91,6 @@ class Forker:
                 loop, spec, unlent = self.set_up_loop(
                     header, launch, stdio, prepared, close_fds(), stacks, pids, group
                 )
-                del prepared
                 call = "the fork loop"
                 call, error = self.fork_loop(loop, spec, stdio, unlent, links, launch, stacks)
                 pids = loop.pids

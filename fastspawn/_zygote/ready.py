@@ -322,8 +322,8 @@ class ReadyPool:
                 continue
             taken.append(one)
         pids = [pid for pid, _ours, _message, _sent in taken]
-        reported = len(pids) == nprocs
-        wake = not reported or report(pids)
+        all_taken = len(pids) == nprocs
+        wake = not all_taken or report(pids)
         for index, (pid, ours, message, sent) in enumerate(taken):
             try:
                 if index >= len(pids):
@@ -332,7 +332,7 @@ class ReadyPool:
                     socket.send_fds(ours, message, sent)
             except OSError:
                 _kill(pid)  # reported: its rank ends so; else forked
-                if not reported:
+                if not all_taken:
                     del pids[index:]
             finally:
                 ours.close()

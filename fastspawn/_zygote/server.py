@@ -357,7 +357,9 @@ class Zygote:
                 if wake_fds is None or (prepared and prepared[0][2] is not None):
                     return []
                 fds = (launch.tx.fileno(), payload_fd, wake_fds)
-                ranks = Ranks(header, offset, fds, stdio, links, holds_caller_state(header))
+                # Once prepare() ran, the zygote holds the caller's state.
+                same_state = bool(prepared) or holds_caller_state(header)
+                ranks = Ranks(header, offset, fds, stdio, links, same_state)
                 # A multiprocessing process's start() returns with its pid:
                 # the caller has it before the worker is woken.
                 return self.ready.wake(ranks, group, tell_pids if header.mp_process else None)
