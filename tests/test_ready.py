@@ -26,6 +26,7 @@ import workers
 from helpers import gone, kill_driver, wait_until_asleep
 
 import fastspawn
+from fastspawn import elastic
 from fastspawn._zygote import client
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -177,6 +178,75 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
         time.sleep(0.05)
     assert gone(inner)
     queue.close()
+
+
+@pytest.mark.version_neutral
+def test_elastic_function_ranks_take_ready_workers(no_background_refill, tmp_path):
+    """fastspawn.elastic's function ranks, their streams redirected to log
+    files, come from ready workers as start_processes' ranks do."""
+    ready = prefork(2)
+    ctx = elastic.start_processes(
+        "t",
+        workers.elastic_pid,
+        {0: ("rank0",), 1: ("rank1",)},
+        {0: {}, 1: {}},
+        str(tmp_path),
+        redirects=elastic.Std.ALL,
+    )
+    result = ctx.wait(timeout=DEADLINE)
+    assert result is not None and not result.is_failed()
+    pids = result.return_values
+    assert set(pids.values()) <= ready and len(set(pids.values())) == 2
+    for rank, pid in pids.items():
+        for stream in ("stdout", "stderr"):
+            said = (tmp_path / str(rank) / f"{stream}.log").read_text()
+            assert said == f"rank{rank} {pid}\n"
+
+
+RESTARTED = """
+import os, sys, time
+from fastspawn._zygote import client
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0:
+    sys.exit(1)  # its end owes the zygote two ready workers
+if attempt == 1:
+    # This attempt's ranks were forked (none was ready yet); the zygote,
+    # our parent, makes two ready while they run.
+    deadline = time.monotonic() + 10
+    while len(client.ready_workers(os.getppid())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print("ready", *client.ready_workers(os.getppid()), flush=True)
+    sys.exit(1)
+print("rank", os.environ["LOCAL_RANK"], os.getpid(), os.getppid(), flush=True)
+"""
+
+
+@pytest.mark.version_neutral
+def test_fastspawn_run_restarts_python_ranks_from_ready_workers(tmp_path):
+    """`fastspawn run`'s Python ranks: a restart takes the workers the
+    zygote made ready while the attempt before ran."""
+    program = tmp_path / "restarted.py"
+    program.write_text(RESTARTED)
+    env = {name: value for name, value in os.environ.items() if name != "FASTSPAWN_READY"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", "2"]
+        + ["--max-restarts", "2", str(program)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line.split() for line in done.stdout.splitlines()]
+    ready = {int(pid) for words in lines if words[:1] == ["ready"] for pid in words[1:]}
+    ranks = {
+        int(words[1]): (int(words[2]), int(words[3])) for words in lines if words[:1] == ["rank"]
+    }
+    assert sorted(ranks) == [0, 1], done.stdout
+    assert len(ready) >= 2, done.stdout
+    assert {pid for pid, _zygote in ranks.values()} <= ready, done.stdout
+    assert len({zygote for _pid, zygote in ranks.values()}) == 1
 
 
 @pytest.mark.version_neutral

@@ -339,6 +339,13 @@ def elastic_env() -> str | None:
     return os.environ.get("TORCHELASTIC_ERROR_FILE")
 
 
+def elastic_pid(tag: str) -> int:
+    """This rank's pid, also printed with ``tag`` to its stdout and stderr."""
+    print(f"{tag} {os.getpid()}")
+    print(f"{tag} {os.getpid()}", file=sys.stderr)
+    return os.getpid()
+
+
 def elastic_stdio() -> tuple[str, str]:
     """What this rank's stdout and stderr are (after printing a line to each)."""
     print("out")
