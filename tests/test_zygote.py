@@ -21,6 +21,7 @@ import fastspawn
 from fastspawn._os import hugepages
 from fastspawn._zygote import client, protocol
 from fastspawn._zygote import server as zygote_server
+from fastspawn._zygote.launch import environ_is
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -404,6 +405,20 @@ def test_caller_cwd_reaches_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ctx = fastspawn.start_processes(workers.cwd, nprocs=1)
     assert ctx.return_values == {0: str(tmp_path)}
+
+
+def test_environ_is_compares_the_environment_as_os_environ_holds_it(monkeypatch):
+    """What tells the zygote and ready workers whether a launch's
+    environment is theirs already (a byte no encoding decodes included, as
+    os.environ keeps it)."""
+    monkeypatch.setenv("FASTSPAWN_TEST_ENV", "caf\udcc3")
+    env = dict(os.environ)
+    assert environ_is(env)
+    assert not environ_is({**env, "FASTSPAWN_TEST_OTHER": "1"})
+    assert not environ_is({**env, "FASTSPAWN_TEST_ENV": "cafe"})
+    assert not environ_is({**env, "FASTSPAWN_TEST_ENV": "\ud800"})  # no byte is that
+    del env["FASTSPAWN_TEST_ENV"]
+    assert not environ_is(env)
 
 
 def test_zygote_ignores_terminal_interrupt():

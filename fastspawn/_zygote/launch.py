@@ -247,7 +247,7 @@ def take_on_caller(
     What is equal already is not rewritten: a ready worker would copy the
     pages that writes.  Whether any of the three changed."""
     changed = False
-    if os.environ != header.env:
+    if not environ_is(header.env):
         changed = True
         os.environ.clear()
         os.environ.update(header.env)
@@ -276,7 +276,28 @@ def holds_caller_state(header: protocol.LaunchHeader) -> bool:
         here: str | None = os.getcwd()
     except OSError:
         here = None
-    return here == header.cwd and sys.path == header.sys_path and os.environ == header.env
+    return here == header.cwd and sys.path == header.sys_path and environ_is(header.env)
+
+
+def environ_is(env: dict[str, str]) -> bool:
+    """``os.environ == env``, compared as the bytes os.environ keeps (its
+    ``_data``, encoded as it encodes): Mapping's comparison decodes every
+    name and value (64 us for 35 variables warm, against 18 here; the
+    whole comparison of state took 0.25 ms in a zygote at rest)."""
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):
+        return os.environ == env  # not CPython's os._Environ
+    if len(data) != len(env):
+        return False
+    encoding = sys.getfilesystemencoding()
+    try:
+        encoded = {
+            name.encode(encoding, "surrogateescape"): value.encode(encoding, "surrogateescape")
+            for name, value in env.items()
+        }
+    except UnicodeError:
+        return False  # not a value os.environ could hold
+    return data == encoded
 
 
 class PreloadError(ImportError):
