@@ -181,6 +181,7 @@ def test_exceptions_pickle_roundtrip():
     assert (copy.exit_code, copy.signal_name) == (-6, "SIGABRT")
 
 
+@pytest.mark.version_neutral  # waits 3 s per start method by design
 def test_slow_import_costs_one_import(start_method, monkeypatch):
     seconds = 3.0
     monkeypatch.setenv("SLOW_IMPORT_SECONDS", str(seconds))
