@@ -143,8 +143,8 @@ def target_loop(
     """Per ``ctx.Process(target=stamp_entry)``: (seconds from Process() to
     start()'s return, to the target's first line, to the joined exit);
     ``gap`` seconds between one's close and the next start, ``before()``
-    called before each start (both untimed).  The stamps come through a FIFO in a private temporary
-    directory, removed on the way out."""
+    called before each start (both untimed).  The stamps come through a
+    FIFO in a private temporary directory, removed on the way out."""
     import tempfile
 
     samples = []
