@@ -91,6 +91,7 @@ if __name__ == "__main__":
     if threaded:  # as a notebook kernel, or a program that imported torch, has
         threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
     signal.signal(signal.SIGALRM, signal.default_int_handler)
+    start_processes = fastspawn.start_processes  # the program's import, before the storm
     fds = len(os.listdir("/proc/self/fd"))
     interrupted = 0
     for i in range(rounds):
@@ -99,7 +100,7 @@ if __name__ == "__main__":
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.03))
-                fastspawn.start_processes(workers.sleep_for, (0.3,), nprocs=8, start_method=method)
+                start_processes(workers.sleep_for, (0.3,), nprocs=8, start_method=method)
             finally:
                 stop_timer()
         except KeyboardInterrupt:
@@ -345,3 +346,57 @@ def test_a_join_cut_at_any_line_is_finished_by_the_next(tmp_path, start_method):
         command=[sys.executable, str(tmp_path / "main.py"), TESTS, start_method, stride],
     )
     assert done.stdout == "[] True 0 0\n", done.stderr[-3000:]
+
+
+_FIRST_LAUNCH = """
+import os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import fastspawn, workers
+from fastspawn._os import held
+
+# The program's own imports (fastspawn's names are imported at first use).
+start_processes, get_context = fastspawn.start_processes, fastspawn.get_context
+parent = os.getpid()
+cut = []
+
+def hook(event, args):
+    # An import that ends on the main thread outside a held step: CPython
+    # drops the module's lock in a weakref callback there, and a Ctrl-C whose
+    # handler runs in that callback is printed ("Exception ignored") and lost.
+    if (event == "import" and os.getpid() == parent
+            and threading.current_thread() is threading.main_thread()
+            and getattr(held._outside, "mask", None) is None):
+        cut.append(args[0])
+
+if __name__ == "__main__":
+    kind, method = sys.argv[2], sys.argv[3]
+    sys.addaudithook(hook)
+    if kind == "launch":
+        start_processes(workers.succeed, nprocs=1, start_method=method)
+    else:
+        process = get_context(method).Process(target=workers.succeed, args=(0,))
+        process.start()
+        process.join()
+        assert process.exitcode == 0, process.exitcode
+    fastspawn.stop_zygote()
+    print(sorted(set(cut)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"),
+    [*(("launch", m) for m in [*METHODS, "forkserver"]), ("process", "fastspawn"),
+     ("process", "fastspawn-spawn")],
+)  # fmt: skip
+def test_a_first_launch_imports_nothing_a_ctrl_c_could_cut(tmp_path, kind, method):
+    # Each module a launch imports at first use ends in a weakref callback;
+    # a Ctrl-C there was lost and the launch went on (the launch storm,
+    # Python 3.13 on a loaded machine).  Imported at the top of their
+    # module, or with signals held, they cannot be cut.
+    done = run_script(
+        tmp_path / "main.py",
+        _FIRST_LAUNCH,
+        command=[sys.executable, str(tmp_path / "main.py"), TESTS, kind, method],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "[]\n", done.stdout

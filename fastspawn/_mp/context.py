@@ -6,9 +6,9 @@ default method, "fastspawn-<method>" for the others), so that
 ``get_context("fastspawn-spawn")``) reaches it as it reaches "spawn".
 
 This module is what a process's pickle names (its class), so the workers
-import it: it imports only multiprocessing's context module and the table
-of method names; the launcher side (``popen``) is imported at the first
-start.
+import it: it imports only multiprocessing's context module, the table
+of method names and the signal mask's helper; the launcher side
+(``popen``) is imported at the first start.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from multiprocessing import context as mp_context
 from multiprocessing import process as mp_process
 
 from fastspawn._launch.methods import names
+from fastspawn._os.held import held_signals
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -30,7 +31,10 @@ def _process_class(method: str) -> type[mp_process.BaseProcess]:
     a module attribute, so that its instances pickle by reference."""
 
     def _Popen(process_obj: mp_process.BaseProcess) -> Popen:
-        from fastspawn._mp.popen import Popen
+        # Its first start imports the launcher: held, as oscall.import_held
+        # says why (this module stays light for the workers).
+        with held_signals():
+            from fastspawn._mp.popen import Popen
 
         return Popen(process_obj, method)
 

@@ -221,3 +221,21 @@ def unheld_mask() -> set[int]:
     if outside is not None:
         return set(outside)
     return _pthread_sigmask(signal.SIG_BLOCK, ())
+
+
+def import_held(name: str) -> Any:
+    """The module ``name``, imported with signals held where this is its
+    first use (then a dict lookup).
+
+    A launch imports some modules only when it first needs them.  CPython
+    ends each import in a weakref callback that drops the module's lock,
+    and an exception raised there is printed ("Exception ignored in") and
+    dropped: a Ctrl-C whose handler ran at that moment was lost, and the
+    launch went on.  Held, the signal comes when the import is whole.
+    """
+    module = sys.modules.get(name)
+    if module is None:
+        with held_signals():
+            __import__(name)
+        module = sys.modules[name]
+    return module

@@ -15,6 +15,7 @@ fastspawn.elastic and ``fastspawn run`` refuse such a launch up front
 from __future__ import annotations
 
 import os
+import resource  # here, not at first use: see oscall.import_held
 
 # capability(7) numbers.
 _CAP_SYS_ADMIN = 21
@@ -60,8 +61,6 @@ class Limits:
     def current(cls) -> Limits:
         """This process's limits now (about 30 us: two getrlimit calls and
         three small /proc files)."""
-        import resource
-
         nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
         return cls(
             nproc=finite(nproc) if nproc_enforced() else None,
@@ -328,8 +327,6 @@ def _read_number(path: str) -> int | None:
 
 def finite(limit: int) -> int | None:
     """A resource limit as a number, None for RLIM_INFINITY."""
-    import resource
-
     return None if limit == resource.RLIM_INFINITY else limit
 
 

@@ -13,6 +13,7 @@ from fastspawn._os._core import ffi, lib
 # The signal masks live in held; named here too, where callers find them.
 from fastspawn._os.held import _outside as _outside
 from fastspawn._os.held import held_signals as held_signals
+from fastspawn._os.held import import_held as import_held
 from fastspawn._os.held import start_quiet_thread as start_quiet_thread
 from fastspawn._os.held import unheld_mask as unheld_mask
 

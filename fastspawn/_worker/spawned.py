@@ -10,6 +10,7 @@ import pickle
 import socket
 import sys
 
+from fastspawn._os.held import import_held
 from fastspawn._wire import channel as _channel
 from fastspawn._wire import pickling
 from fastspawn._worker.runner import finish, format_exc, print_exc, run, set_parent_process
@@ -86,8 +87,7 @@ def preparation_data(name: str) -> dict[str, Any]:
     (``python -``) or deleted since.  The child then prepares as under
     ``python -c`` (no ``__mp_main__`` to import), where a multiprocessing
     spawn child would die on FileNotFoundError, and with it our zygote."""
-    from multiprocessing import spawn
-
+    spawn = import_held("multiprocessing.spawn")  # its first use: see there
     data: dict[str, Any] = spawn.get_preparation_data(name)
     path = data.get("init_main_from_path")
     if path is not None and not os.path.isfile(path):

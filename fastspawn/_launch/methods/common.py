@@ -125,8 +125,7 @@ def end_group(req: LaunchRequest, started: Started) -> None:
 
 def tracker_fd() -> int | None:
     """The resource tracker's fd if one is running (children then share it)."""
-    from multiprocessing import resource_tracker
-
+    resource_tracker = oscall.import_held("multiprocessing.resource_tracker")
     fd = getattr(resource_tracker._resource_tracker, "_fd", None)
     return fd if isinstance(fd, int) else None
 
