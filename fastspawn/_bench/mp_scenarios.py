@@ -354,7 +354,8 @@ def format_report(
     for name in contexts:
         spread.append([name, *(cell(name, m, "spread") for m, _ in METRICS)])
     lines = [
-        f"CPU: {described['cpu']}, {described['usable_cores']} usable cores; "
+        # Two lines: a CPU's name alone can be 50 characters.
+        f"CPU: {described['cpu']}, {described['usable_cores']} usable cores",
         f"Python {described['python']}; torch {described['torch']}; "
         f"fastspawn {described['fastspawn']}",
         f"Each row measured in a fresh `python -m {_child_module()}`:",
