@@ -15,7 +15,7 @@ fastspawn.elastic and ``fastspawn run`` refuse such a launch up front
 from __future__ import annotations
 
 import os
-import resource  # here, not at first use: see oscall.import_held
+import resource  # here, not at first use: see held.import_held
 
 # capability(7) numbers.
 _CAP_SYS_ADMIN = 21
