@@ -40,15 +40,14 @@ class _Run:
 
     def __init__(self, method: str, folder: Path) -> None:
         self.method = method
-        self.folder = folder / method
-        self.folder.mkdir()
-        self.output = self.folder / "stderr"
+        (folder / method).mkdir()
+        self.output = folder / method / "stderr"
         with open(self.output, "wb") as output:
             self.process = subprocess.Popen(
                 [sys.executable, SUITE],
                 stdout=subprocess.DEVNULL,
                 stderr=output,
-                cwd=self.folder,
+                cwd=folder / method,
                 env=dict(os.environ, FASTSPAWN_SUITE_METHOD=method),
             )
 
@@ -63,10 +62,10 @@ class _Run:
             return f"{self.method!r}: still running after {TIMEOUT} s, killed"
         stderr = self.output.read_text(errors="replace")
         lines = stderr.rstrip().splitlines()
-        ran = [line for line in lines if line.startswith("Ran ")]
-        if self.process.returncode == 0 and lines and lines[-1].startswith("OK"):
-            if ran and int(ran[-1].split()[1]) > 100:
-                return None
+        ran = [int(line.split()[1]) for line in lines if line.startswith("Ran ")]
+        passed = self.process.returncode == 0 and lines and lines[-1].startswith("OK")
+        if passed and ran and ran[-1] > 100:
+            return None
         return f"{self.method!r} (exit code {self.process.returncode}):\n{stderr[-6000:]}"
 
 
@@ -77,18 +76,17 @@ def test_cpython_multiprocessing_suite_passes_with_every_context(tmp_path: Path)
     assert FIRST in METHODS
     deadline = time.monotonic() + TIMEOUT
     runs = [_Run(FIRST, tmp_path)]
-    failures: list[str] = []
+    results = []
     try:
         for method in METHODS:
             if method != FIRST:
-                run = _Run(method, tmp_path)
-                runs.append(run)
-                failures.append(run.wait(deadline) or "")
-        failures.append(runs[0].wait(deadline) or "")
+                runs.append(_Run(method, tmp_path))
+                results.append(runs[-1].wait(deadline))
+        results.append(runs[0].wait(deadline))
     finally:
         for run in runs:  # an exception above: none is left running
             if run.process.poll() is None:
                 run.process.kill()
                 run.process.wait()
-    failures = [failure for failure in failures if failure]
+    failures = [failure for failure in results if failure is not None]
     assert not failures, "CPython's suite failed with " + "\n\n".join(failures)

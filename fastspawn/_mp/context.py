@@ -26,17 +26,27 @@ if TYPE_CHECKING:
     from fastspawn._mp.popen import Popen
 
 
+_launcher: type[Popen] | None = None  # fastspawn._mp.popen.Popen, once imported
+
+
+def _popen_class() -> type[Popen]:
+    """The launcher, imported at the first start (this module stays light
+    for the workers) with signals held, as held.import_held says why."""
+    global _launcher
+    if _launcher is None:
+        with held_signals():
+            from fastspawn._mp.popen import Popen
+
+        _launcher = Popen
+    return _launcher
+
+
 def _process_class(method: str) -> type[mp_process.BaseProcess]:
     """The Process class of ``method``'s context ("ZygoteProcess", ...):
     a module attribute, so that its instances pickle by reference."""
 
     def _Popen(process_obj: mp_process.BaseProcess) -> Popen:
-        # Its first start imports the launcher: held, as oscall.import_held
-        # says why (this module stays light for the workers).
-        with held_signals():
-            from fastspawn._mp.popen import Popen
-
-        return Popen(process_obj, method)
+        return _popen_class()(process_obj, method)
 
     name = f"{method.capitalize()}Process"
     cls = type(
