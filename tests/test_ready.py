@@ -388,6 +388,11 @@ elif case == "nproc":
     # They counted against its limit: killed, and not made ready again.
     time.sleep(0.5)
     print(len(ready()), flush=True)
+elif case == "nofile":
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), hard))
+    fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote, under it
+    print(fastspawn.prefork(int(sys.argv[2])), flush=True)
 elif case == "off":
     fastspawn.start_processes(workers.succeed, nprocs=2)
     print(settle(0), flush=True)
@@ -435,6 +440,46 @@ def test_ready_workers_stay_within_a_quarter_of_rlimit_nproc():
     own = sum(1 for name in os.listdir("/proc") if name.isdigit())
     limit = own + 200  # room for the driver's own processes whatever the machine
     assert run_driver("nproc", str(limit), str(limit)) == [str(limit // 4), "0", "0"]
+
+
+@pytest.mark.version_neutral
+def test_ready_workers_stay_within_a_quarter_of_rlimit_nofile():
+    """Each waiting worker holds two of the zygote's fds (both ends of its
+    socketpair, see ReadyPool.spend): an eighth of the limit in workers."""
+    assert run_driver("nofile", "400") == ["50"]
+
+
+def _zygote_sockets(zygote: int) -> set[str]:
+    """The sockets the zygote holds ("socket:[inode]")."""
+    fd_dir = f"/proc/{zygote}/fd"
+    sockets = set()
+    for name in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:"):
+            sockets.add(target)
+    return sockets
+
+
+@pytest.mark.version_neutral
+def test_the_zygote_lets_go_of_the_woken_workers_sockets_once_idle(no_background_refill):
+    """The zygote keeps both ends of a woken worker's socketpair while the
+    launch's ranks come up (ReadyPool.spend), and closes them at its next
+    idle moment, with no launch or refill to come."""
+    zygote = client.zygote_pid()
+    assert zygote is not None
+    before = _zygote_sockets(zygote)
+    ready = prefork(4)
+    pairs = _zygote_sockets(zygote) - before
+    assert len(pairs) == 2 * len(ready)  # both ends of each worker's
+    ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=4)
+    assert {pid for pid, _ in ctx.return_values.values()} == ready
+    deadline = time.monotonic() + DEADLINE
+    while _zygote_sockets(zygote) & pairs and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _zygote_sockets(zygote) & pairs == set()
 
 
 @pytest.mark.version_neutral

@@ -26,7 +26,7 @@ up to FASTSPAWN_READY (default 64; 0: never in the background).
 ``prefork(n, refill=False)``: n now, none made ready again after
 (``prefork(0, refill=False)`` turns ready workers off).  Never
 more than a quarter of the caller's RLIMIT_NPROC, nor of its
-RLIMIT_NOFILE (each holds one of the zygote's fds), nor while less than
+RLIMIT_NOFILE (each holds two of the zygote's fds), nor while less than
 ``MIN_AVAILABLE`` of memory is available.  A caller that set an
 RLIMIT_NPROC of its own (lower, often) gets its ranks forked under it, as
 before: the ready workers, which count against it, are killed and reaped
@@ -105,15 +105,16 @@ def cap_from_environment(environ: dict[str, str] | os._Environ[str]) -> int:
 def room_under_limits(ready: int) -> int:
     """How many more workers may be made ready under this process's limits
     (the caller's, as the zygote started): a quarter of RLIMIT_NPROC in
-    all, a quarter of RLIMIT_NOFILE (each holds one of the zygote's fds
-    while it waits), and none while memory is short."""
+    all, a quarter of RLIMIT_NOFILE (each holds two of the zygote's fds
+    while it waits: both ends of its socketpair), and none while memory is
+    short."""
     import resource
 
     room = sys.maxsize
-    for limit in (resource.RLIMIT_NPROC, resource.RLIMIT_NOFILE):
+    for limit, each in ((resource.RLIMIT_NPROC, 1), (resource.RLIMIT_NOFILE, 2)):
         soft = resource.getrlimit(limit)[0]
         if soft != resource.RLIM_INFINITY:
-            room = min(room, max(0, soft // 4 - ready))
+            room = min(room, max(0, soft // 4 // each - ready))
     try:
         with open("/proc/meminfo", "rb") as f:
             info = {line.split(b":")[0]: int(line.split()[1]) << 10 for line in f}
@@ -126,13 +127,15 @@ def room_under_limits(ready: int) -> int:
 
 class ReadyPool:
     """The zygote's ready workers: pid -> our end of its socketpair, oldest
-    first."""
+    first; and their own ends, which the zygote keeps too (see spend)."""
 
     def __init__(self, me: int, signals: Signals, state: dict[str, Any]) -> None:
         self.me = me
         self.signals = signals
         self.state = state  # the zygote's process state, for links (Forker.state)
         self.waiting: dict[int, socket.socket] = {}
+        self.theirs: dict[int, socket.socket] = {}
+        self.spent: list[socket.socket] = []  # of woken workers, closed when idle
         # The zygote's environment, cwd and sys.path change with launches:
         # each change is a new generation, and each ready worker was forked
         # in one (pid -> generation).
@@ -145,7 +148,31 @@ class ReadyPool:
         self.fork_time = 0.001  # seconds a ready worker took to make, the last time
 
     def fds(self) -> list[int]:
-        return [end.fileno() for end in self.waiting.values()]
+        ends = (*self.waiting.values(), *self.theirs.values(), *self.spent)
+        return [end.fileno() for end in ends]
+
+    def spend(self, end: socket.socket) -> None:
+        """Keep ``end``, of a worker a launch took, open until the zygote is
+        next idle (close_spent).  The launch's channel, a unix socket, is
+        in flight to its workers until each has received it, and meanwhile
+        the kernel answers the release of any unix socket (our end closed
+        after its send, the worker's after its receive, if that copy is the
+        last) by queueing its AF_UNIX garbage collection on a kworker,
+        which then takes the core from the zygote or a rank: some 90
+        collections a launch of 64 ranks, which were all running in
+        14.3-14.7 ms then, 12.5-14.0 now (benchmarks/README.md).  Kept
+        here, neither end is released while the ranks come up."""
+        self.spent.append(end)
+
+    def close_spent(self, close_fds: Sequence[int] = ()) -> list[int]:
+        """Close what spend() kept (the ranks are up by now): ``close_fds``
+        (a list of the zygote's fds, for workers to close) without those,
+        whose numbers the next fds may take."""
+        closed = {end.fileno() for end in self.spent}
+        for end in self.spent:
+            end.close()
+        self.spent.clear()
+        return [fd for fd in close_fds if fd not in closed]
 
     def wanted(self) -> int:
         """How many more to make ready in the background now."""
@@ -153,14 +180,17 @@ class ReadyPool:
         return max(self.asked - len(self.waiting), background, 0)
 
     def refill_delay(self) -> float | None:
-        """Seconds before a refill may start (None: none wanted)."""
-        if self.wanted() <= 0:
+        """Seconds before a refill may start (None: none wanted, nothing
+        spent to close)."""
+        if self.wanted() <= 0 and not self.spent:
             return None
         return max(0.01, self.quiet_until - time.monotonic())
 
     def refill_due(self) -> bool:
-        """Whether to make workers ready now (some wanted, quiet time over)."""
-        return self.wanted() > 0 and time.monotonic() >= self.quiet_until
+        """Whether to refill now: workers wanted or spent ends to close,
+        and the quiet time over."""
+        due = self.wanted() > 0 or bool(self.spent)
+        return due and time.monotonic() >= self.quiet_until
 
     def launched(self, nprocs: int) -> None:
         """A launch began: its ranks come up, no refill for a while."""
@@ -176,9 +206,12 @@ class ReadyPool:
     def refill(self, close_fds: Sequence[int]) -> None:
         """One idle moment's refill: as many as fork in about REFILL_SLICE
         (REFILL_BATCH at most), so that a launch coming meanwhile waits
-        that long at most."""
+        that long at most.  The last launch's spent ends are closed first."""
+        close_fds = self.close_spent(close_fds)
         batch = max(1, min(REFILL_BATCH, int(REFILL_SLICE / self.fork_time)))
         count = min(self.wanted(), batch)
+        if count <= 0:
+            return
         started = time.monotonic()
         made = self.fill(count, close_fds)
         self.owed = max(0, self.owed - made)
@@ -197,6 +230,7 @@ class ReadyPool:
         self.asked = count if refill else 0
         self.cap = cap_from_environment(os.environ) if refill else 0
         self.owed = 0
+        close_fds = self.close_spent(close_fds)
         while len(self.waiting) > count:
             pid = next(iter(self.waiting))
             self.gone(pid)
@@ -255,12 +289,13 @@ class ReadyPool:
             self.signals.take_back()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, ZYGOTE_SIGNALS)
             for index, (ours, theirs) in enumerate(pairs):
-                theirs.close()
                 if index < len(pids):
                     self.waiting[pids[index]] = ours
+                    self.theirs[pids[index]] = theirs  # see spend()
                     self.born[pids[index]] = self.generation
                 else:
                     ours.close()
+                    theirs.close()
         return len(pids)
 
     def wake(
@@ -271,6 +306,7 @@ class ReadyPool:
         than nprocs when too few are ready).  Each worker is woken as it is
         taken; a worker dead meanwhile is killed, and the next one takes its
         rank.  With ``report``, see _wake_reported."""
+        self.close_spent()  # the last launch's: its ranks are up
         header = ranks.header
         if report is not None and len(self.waiting) >= header.nprocs:
             return self._wake_reported(ranks, group, report)
@@ -288,7 +324,7 @@ class ReadyPool:
                 _kill(pid)  # our unreaped child: the pid is its own
                 continue
             finally:
-                ours.close()
+                self.spend(ours)
             pids.append(pid)
         return pids
 
@@ -318,7 +354,7 @@ class ReadyPool:
                     os.setpgid(pid, group)
             except OSError:
                 _kill(pid)
-                ours.close()
+                self.spend(ours)
                 continue
             taken.append(one)
         pids = [pid for pid, _ours, _message, _sent in taken]
@@ -335,7 +371,7 @@ class ReadyPool:
                 if not all_taken:
                     del pids[index:]
             finally:
-                ours.close()
+                self.spend(ours)
         return pids
 
     def _take(
@@ -352,6 +388,7 @@ class ReadyPool:
             return None
         pid = next(iter(self.waiting))
         ours = self.waiting.pop(pid)
+        self.spend(self.theirs.pop(pid))
         same = self.born.pop(pid) == self.generation and ranks.same_state
         sent, flags = ranks.fds_of(rank)
         flags |= SAME_STATE if same else 0
@@ -402,9 +439,11 @@ class ReadyPool:
     def gone(self, pid: int) -> None:
         """A child was reaped: if a ready worker, it is not ready now."""
         ours = self.waiting.pop(pid, None)
+        theirs = self.theirs.pop(pid, None)
         self.born.pop(pid, None)
-        if ours is not None:
-            ours.close()
+        for end in (ours, theirs):
+            if end is not None:
+                end.close()
 
     def retire(self) -> None:
         """Kill every ready worker (reaped as any exited child is)."""
@@ -412,8 +451,12 @@ class ReadyPool:
         for pid, ours in self.waiting.items():
             ours.close()
             _kill(pid)
+        for theirs in self.theirs.values():
+            theirs.close()
         self.waiting.clear()
+        self.theirs.clear()
         self.born.clear()
+        self.close_spent()
 
 
 class Ranks:
