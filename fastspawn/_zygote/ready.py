@@ -152,14 +152,15 @@ class ReadyPool:
         return [end.fileno() for end in ends]
 
     def spend(self, end: socket.socket) -> None:
-        """Keep ``end``, of a worker a launch took, open until the zygote is
-        next idle (close_spent).  The launch's channel, a unix socket, is
-        in flight to its workers until each has received it, and meanwhile
-        the kernel answers the release of any unix socket (our end closed
-        after its send, the worker's after its receive, if that copy is the
-        last) by queueing its AF_UNIX garbage collection on a kworker,
-        which then takes the core from the zygote or a rank: some 90
-        collections a launch of 64 ranks, which were all running in
+        """Keep ``end``, of a worker a launch took, open until the zygote
+        next makes workers ready (close_spent, in refill and prefork: no
+        more are spent in between than were ready).  The launch's channel,
+        a unix socket, is in flight to its workers until each has received
+        it, and meanwhile the kernel answers the release of any unix socket
+        (our end closed after its send, the worker's after its receive, if
+        that copy is the last) by queueing its AF_UNIX garbage collection
+        on a kworker, which then takes the core from the zygote or a rank:
+        some 90 collections a launch of 64 ranks, which were all running in
         14.3-14.7 ms then, 12.5-14.0 now (benchmarks/README.md).  Kept
         here, neither end is released while the ranks come up."""
         self.spent.append(end)
@@ -306,7 +307,6 @@ class ReadyPool:
         than nprocs when too few are ready).  Each worker is woken as it is
         taken; a worker dead meanwhile is killed, and the next one takes its
         rank.  With ``report``, see _wake_reported."""
-        self.close_spent()  # the last launch's: its ranks are up
         header = ranks.header
         if report is not None and len(self.waiting) >= header.nprocs:
             return self._wake_reported(ranks, group, report)
