@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -301,13 +302,20 @@ def test_parallel_start_env_var_accepted(monkeypatch):
     assert ctx.return_values == {0: 0, 1: 1}
 
 
-def test_process_api(start_method):
+def _one_waiting_rank(start_method):
+    """A launch of one rank blocked in workers.wait_on_pipe, once it has
+    said it runs: (its context, its handle, our end of the pipe)."""
     reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=True)
     ctx = start(workers.wait_on_pipe, (writer,), nprocs=1, join=False, start_method=start_method)
     writer.close()
     proc = ctx.processes[0]
     assert reader.poll(60)
     assert reader.recv() == ("ready", 0, proc.pid)
+    return ctx, proc, reader
+
+
+def test_process_api(start_method):
+    ctx, proc, reader = _one_waiting_rank(start_method)
     assert proc.is_alive() and proc.exitcode is None
     assert isinstance(proc.sentinel, int)
     assert f"pid={proc.pid}" in repr(proc)
@@ -319,6 +327,19 @@ def test_process_api(start_method):
     assert proc.exitcode == -9
     proc.terminate()  # after exit: a no-op, never a signal to a recycled pid
     with pytest.raises(fastspawn.ProcessExitedException, match="signal SIGKILL"):
+        ctx.join()
+    reader.close()
+
+
+def test_process_interrupt_sends_sigint(start_method):
+    """ProcessHandle.interrupt(): SIGINT through the pidfd, a Ctrl-C's
+    signal: the rank is reported as terminated by it (docs/differences.md)."""
+    ctx, proc, reader = _one_waiting_rank(start_method)
+    proc.interrupt()
+    proc.join(timeout=30)
+    assert not proc.is_alive()
+    assert proc.exitcode == -signal.SIGINT
+    with pytest.raises(fastspawn.ProcessExitedException, match="signal SIGINT"):
         ctx.join()
     reader.close()
 

@@ -150,21 +150,28 @@ def test_exit_codes(ctx, capfd):
     assert "Traceback" in err and "ValueError: raised in the child" in err
 
 
-@pytest.mark.parametrize("how", ["terminate", "kill"])
-def test_terminate_and_kill(ctx, how):
+@pytest.mark.parametrize("how", ["terminate", "kill", "interrupt"])
+def test_terminate_kill_and_interrupt(ctx, how, capfd):
     """terminate() and kill() end a running process: exitcode -SIGTERM,
-    -SIGKILL."""
+    -SIGKILL.  interrupt() (Python 3.14's Process method, which calls the
+    Popen's; called there directly before) sends SIGINT: the target gets
+    KeyboardInterrupt, which multiprocessing reports as exit code 1."""
     started = ctx.Event()
     process = ctx.Process(target=mp_targets.signal_then_sleep, args=(started,))
     process.start()
     assert started.wait(DEADLINE)
     assert process.is_alive()
-    getattr(process, how)()
+    if how == "interrupt" and not hasattr(process, "interrupt"):
+        process._popen.interrupt()
+    else:
+        getattr(process, how)()
     process.join(DEADLINE)
-    expected = -signal.SIGTERM if how == "terminate" else -signal.SIGKILL
+    expected = {"terminate": -signal.SIGTERM, "kill": -signal.SIGKILL, "interrupt": 1}[how]
     assert process.exitcode == expected
     assert not process.is_alive()
     process.close()
+    if how == "interrupt":
+        assert "KeyboardInterrupt" in capfd.readouterr().err
 
 
 def test_process_handle(ctx):

@@ -193,6 +193,12 @@ class Process:
         except ProcessLookupError:
             pass  # exited already: nothing to do
 
+    def interrupt(self) -> None:
+        """Send SIGINT, a Ctrl-C's signal (never to a process that reused
+        the pid), as Python 3.14's multiprocessing ``Process.interrupt()``
+        does: a rank it ends is reported as terminated by SIGINT."""
+        self._signal(signal.SIGINT)
+
     def terminate(self) -> None:
         """Send SIGTERM (never to a process that reused the pid)."""
         self._signal(signal.SIGTERM)

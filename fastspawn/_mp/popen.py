@@ -144,6 +144,12 @@ class Popen:
             return self.poll(0)
         return self.returncode
 
+    def interrupt(self) -> None:
+        """SIGINT, through the pidfd: what Python 3.14's
+        ``Process.interrupt()`` calls."""
+        if self.returncode is None:
+            self._process.interrupt()
+
     def terminate(self) -> None:
         """SIGTERM, through the pidfd (never to a process that took its pid)."""
         if self.returncode is None:
