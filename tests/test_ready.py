@@ -339,6 +339,10 @@ def test_ready_workers_bear_their_name_from_their_fork(no_background_refill):
                     first_seen[pid] = _comm(pid)
     finally:
         thread.join()
+    # The last fork may come after the loop's last look and before
+    # prefork() returns (CI saw 47 of 48 so): one more.
+    for pid in client.children_of(zygote):
+        first_seen.setdefault(pid, _comm(pid))
     assert made == [48]
     assert len(first_seen) >= 48
     assert {name for name in first_seen.values() if name is not None} == {"fastspawn-ready"}
