@@ -180,6 +180,56 @@ def test_a_multiprocessing_process_from_a_ready_worker(no_background_refill):
     queue.close()
 
 
+def _sigint_pending(pid: int) -> bool:
+    """Whether a SIGINT sent to ``pid`` waits to be delivered."""
+    bit = 1 << (signal.SIGINT - 1)
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd", "ShdPnd"))]
+    return any(mask & bit for mask in masks)
+
+
+@pytest.mark.version_neutral
+def test_a_sigint_sent_as_start_returns_reaches_a_process_from_a_ready_worker(
+    no_background_refill,
+):
+    """The caller has a ready worker's pid before the worker wakes and takes
+    on the caller's SIGINT handling: a SIGINT sent then (Python 3.14's
+    Process.interrupt() the moment start() returns) is the process's, as
+    for one forked at launch.  The worker is held stopped so that the signal
+    surely comes while it still waits (it used to be ignored then)."""
+    (pid,) = prefork(1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        process = fastspawn.get_context("fastspawn").Process(target=time.sleep, args=(60,))
+        process.start()
+        assert process.pid == pid
+        os.kill(pid, signal.SIGINT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    process.join(DEADLINE)
+    try:
+        assert process.exitcode == 1  # KeyboardInterrupt, as the caller handles SIGINT
+    finally:
+        process.kill()
+        process.join(DEADLINE)
+        process.close()
+
+
+@pytest.mark.version_neutral
+def test_a_sigint_to_a_waiting_worker_is_not_its_ranks(no_background_refill):
+    """A SIGINT that reached a ready worker before a launch took it (a Ctrl-C
+    meant for the caller, say) does not interrupt its rank later."""
+    (pid,) = prefork(1)
+    os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + DEADLINE
+    while _sigint_pending(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _sigint_pending(pid)
+    time.sleep(0.1)  # its handler has run, long before the launch below
+    ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=1)
+    assert ctx.return_values[0][0] == pid
+
+
 @pytest.mark.version_neutral
 def test_elastic_function_ranks_take_ready_workers(no_background_refill, tmp_path):
     """fastspawn.elastic's function ranks, their streams redirected to log

@@ -392,7 +392,8 @@ class ReadyPool:
         same = self.born.pop(pid) == self.generation and ranks.same_state
         sent, flags = ranks.fds_of(rank)
         flags |= SAME_STATE if same else 0
-        head = ASSIGN.pack(rank, len(ranks.fds[2]), flags, ranks.offset, len(ranks.brief))
+        taken = time.monotonic_ns()  # before its pid can reach the caller
+        head = ASSIGN.pack(rank, len(ranks.fds[2]), flags, ranks.offset, len(ranks.brief), taken)
         return pid, ours, [head + ranks.brief + own_env], sent
 
     @staticmethod

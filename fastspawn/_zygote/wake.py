@@ -25,6 +25,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 import weakref
 
@@ -45,16 +46,16 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import Any, NoReturn
 
-# signal.signal without its enum conversions (see fastspawn._os.held), and
-# the plain int it takes for SIG_IGN.
+# signal.signal without its enum conversions (see fastspawn._os.held).
 _setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal
-_SIG_IGN: int = sys.modules["_signal"].SIG_IGN
 
 # A rank's assignment: the rank, how many of the fds its arguments carry,
 # which optional fds follow those, where fn and args start in the payload,
-# the length of the launch's Brief; then the Brief and, if the launch has
-# per-rank environments, the rank's (pickled).  MAX_ASSIGN at most.
-ASSIGN = struct.Struct("=iiBII")
+# the length of the launch's Brief, when the zygote took the worker (its
+# CLOCK_MONOTONIC, ns: see _note_interrupt); then the Brief and, if the
+# launch has per-rank environments, the rank's (pickled).  MAX_ASSIGN at
+# most.
+ASSIGN = struct.Struct("=iiBIIq")
 MAX_ASSIGN = 65536
 OUT, ERR, IN, LINK = 1, 2, 4, 8
 # The worker was forked with the caller's environment, cwd and sys.path as
@@ -87,10 +88,12 @@ def in_ready_worker(
                 os.close(fd)
             except OSError:
                 pass
-        # Waiting, a Ctrl-C meant for the caller is not ours (restored as
-        # lent once a rank comes).  _signal's own call: signal.signal's
-        # enum conversions cost a waking rank some 30 us (see held.py).
-        interrupt = _setsignal(signal.SIGINT, _SIG_IGN)
+        # Waiting, a Ctrl-C meant for the caller is not ours, but a SIGINT
+        # sent once the caller has our pid is our rank's (the lent handling
+        # is restored when the rank comes, see _note_interrupt).  _signal's
+        # own call: signal.signal's enum conversions cost a waking rank
+        # some 30 us (see held.py).
+        interrupt = _setsignal(signal.SIGINT, _note_interrupt)
         stacks_fd = _arm_stacks_ahead()
         comm = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)  # one write at the wake
         _warm_up(zygote, stacks_fd)
@@ -105,6 +108,8 @@ def in_ready_worker(
         finally:
             os.close(comm)
         _setsignal(signal.SIGINT, interrupt)
+        if _interrupted_at >= ASSIGN.unpack_from(message)[-1]:
+            signal.raise_signal(signal.SIGINT)  # as the rank's, handled as lent
         _become(message, fds, zygote, state, stacks_fd)
     except BaseException:
         runner.print_exc()
@@ -114,6 +119,23 @@ def in_ready_worker(
 
 def _noop(*_args: object) -> None:
     """Does nothing: the rehearsal's fn, and take_on_caller's settle there."""
+
+
+# When the last SIGINT came while this worker waited (CLOCK_MONOTONIC, ns;
+# -1: none).
+_interrupted_at = -1
+
+
+def _note_interrupt(_signum: int, _frame: Any) -> None:
+    """A waiting worker's SIGINT handler: note when.  The zygote reports a
+    worker's pid to the caller only after it took the worker, and stamps
+    the assignment with that moment: a SIGINT noted since (the caller's
+    ``interrupt()`` the moment ``start()`` returned, say) is raised again
+    once the rank's handling is in place, as a rank forked at launch would
+    have had it; one from before (a Ctrl-C meant for the caller) is
+    dropped."""
+    global _interrupted_at
+    _interrupted_at = time.monotonic_ns()
 
 
 def _arm_stacks_ahead() -> int:
@@ -186,7 +208,7 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
             memfd = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
             try:
                 os.write(memfd, work)
-                message = ASSIGN.pack(-1, 0, flags, len(encoded), len(brief)) + brief
+                message = ASSIGN.pack(-1, 0, flags, len(encoded), len(brief), 0) + brief
                 socket.send_fds(ours, [message], [channel.fileno(), memfd])
             finally:
                 os.close(memfd)
@@ -283,7 +305,7 @@ def _prepare(
     """Read the assignment ``message`` (and its ``fds``, taken over), do
     what Zygote.launch and Forker.fork_ranks do for a forked rank: (rank,
     the rank's spec, its stdio fds or None, its link's fd or None)."""
-    rank, user_count, flags, offset, brief_size = ASSIGN.unpack_from(message)
+    rank, user_count, flags, offset, brief_size, _taken = ASSIGN.unpack_from(message)
     brief: Brief = pickle.loads(message[ASSIGN.size : ASSIGN.size + brief_size])
     own_env = message[ASSIGN.size + brief_size :]
     env = pickle.loads(own_env) if own_env else None
