@@ -905,6 +905,54 @@ def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_m
     assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_method):
+    # The main thread exits after another thread's workers started but
+    # before that launch made their context (slowed here to make it
+    # certain; a loaded machine did it 3 times in 80): the exit hook waits
+    # for the handover, then for the workers, as for any launch.  It found
+    # no context and stopped the zygote, killing them.
+    script = tmp_path / "handover.py"
+    done = run_script(
+        script,
+        f"""
+            import os, threading, time
+            import fastspawn
+            from fastspawn._launch import api
+
+            def work(rank):
+                open(os.path.join({str(tmp_path)!r}, f"started-{{rank}}"), "w").close()
+                time.sleep(1.0)
+                os.write(1, f"worker {{rank}} done\\n".encode())
+
+            made = api.ProcessContext
+
+            def made_late(*args, **kwargs):
+                time.sleep(1.5)  # the main thread is exiting meanwhile
+                return made(*args, **kwargs)
+
+            if __name__ == "__main__":
+                api.ProcessContext = made_late
+                threading.Thread(
+                    target=fastspawn.start_processes,
+                    args=(work,),
+                    kwargs={{"nprocs": 2, "start_method": {start_method!r}}},
+                    daemon=True,
+                ).start()
+                deadline = time.monotonic() + 60
+                while not all(
+                    os.path.exists(os.path.join({str(tmp_path)!r}, f"started-{{rank}}"))
+                    for rank in (0, 1)
+                ):
+                    assert time.monotonic() < deadline, "the workers did not start"
+                    time.sleep(0.05)
+            """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
+
+
 def test_a_fork_rank_never_returns_into_the_callers_code(monkeypatch):
     # A handler of the caller's that raises can run in a "fork" rank as it
     # lets its signals through, before the worker's own handling starts

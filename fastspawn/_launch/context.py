@@ -45,6 +45,13 @@ log = logging.getLogger(LOGGER_NAME)
 # its children) so that a context dropped unjoined is still shut down at exit.
 _live_contexts: set[ProcessContext] = set()
 
+# Launches under way, by a token each: their workers can be running before
+# their context exists and joins _live_contexts (a launch by another thread
+# that the main thread's exit overtakes), so the exit hook waits for them to
+# hand over rather than stop the zygote, and the workers with it, under them.
+launches_under_way: set[object] = set()
+HANDOVER_WAIT = 30.0  # seconds the exit hook waits for those, at most
+
 _CHANNEL = 1 << 62  # the waiter token of the report channel (ranks are the others)
 
 
@@ -675,6 +682,7 @@ def _forget_in_child() -> None:
     # A process forked from ours (os.fork(), a "fork" worker) must not shut
     # our workers down at its exit, nor read their reports.
     _live_contexts.clear()
+    launches_under_way.clear()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -682,12 +690,28 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 @atexit.register
 def _at_exit() -> None:
+    _wait_for_handovers(HANDOVER_WAIT)
     for ctx in list(_live_contexts):
         try:
             ctx._shutdown_at_exit()
         except Exception:
             log.exception("fastspawn: could not shut down %r at exit", ctx)
     helpers.stop_at_exit()
+
+
+def _wait_for_handovers(timeout: float) -> None:
+    """Wait for the launches other threads have under way to hand their
+    workers to a context (or to fail and kill them)."""
+    deadline = time.monotonic() + timeout
+    while launches_under_way:
+        if time.monotonic() >= deadline:
+            log.warning(
+                "fastspawn: a launch in another thread was still under way at exit "
+                "after %.0f s; its workers are stopped with the zygote",
+                timeout,
+            )
+            return
+        time.sleep(0.01)
 
 
 # A zygote worker, or one forked from the caller, runs no atexit handler it
