@@ -69,7 +69,7 @@ _LAUNCH_STORM = """
 import os, random, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import fastspawn, workers
-from fastspawn._launch import context as launch_context
+from fastspawn._launch import exiting
 from fastspawn._warden import client as _warden_client
 from fastspawn._zygote import client
 
@@ -108,7 +108,7 @@ if __name__ == "__main__":
     fastspawn.stop_zygote()
     time.sleep(0.2)
     extra = len(os.listdir("/proc/self/fd")) - fds - len(_warden_client.warden_process()[1])
-    print(interrupted > 0, ours(), extra, len(launch_context._live_contexts))
+    print(interrupted > 0, ours(), extra, len(exiting.live_contexts))
 """
 
 
@@ -138,7 +138,7 @@ _JOIN_STORM = """
 import os, random, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import fastspawn, workers
-from fastspawn._launch import context as launch_context
+from fastspawn._launch import exiting
 from fastspawn._warden import client as _warden_client
 
 def quiet(signum, frame):
@@ -208,7 +208,7 @@ if __name__ == "__main__":
                 problems.append((i, "values", values, [str(f) for f in failures]))
     fastspawn.stop_zygote()
     time.sleep(0.2)
-    print(problems, open_fds() - fds, len(launch_context._live_contexts))
+    print(problems, open_fds() - fds, len(exiting.live_contexts))
 """
 
 
@@ -230,7 +230,7 @@ _INJECTOR = """
 import os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import fastspawn, workers
-from fastspawn._launch import context as launch_context
+from fastspawn._launch import exiting
 from fastspawn._os import oscall
 from fastspawn._warden import client as _warden_client
 
@@ -326,7 +326,7 @@ if __name__ == "__main__":
             n += stride
     fastspawn.stop_zygote()
     time.sleep(0.2)
-    print(problems, points > 10, open_fds() - fds, len(launch_context._live_contexts))
+    print(problems, points > 10, open_fds() - fds, len(exiting.live_contexts))
 """
 
 

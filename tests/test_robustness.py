@@ -21,7 +21,7 @@ from helpers import alive_after, gone, run_script
 
 import fastspawn
 from fastspawn import elastic
-from fastspawn._launch import context as _context
+from fastspawn._launch import exiting
 from fastspawn._warden import client as _warden_client
 from fastspawn._worker import forked
 from fastspawn._zygote import client
@@ -304,8 +304,8 @@ def test_forked_child_leaves_the_parents_workers_alone():
     pid = os.fork()
     if pid == 0:
         try:
-            mine = bool(_context._live_contexts)  # the parent's must not be ours
-            _context._at_exit()
+            mine = bool(exiting.live_contexts)  # the parent's must not be ours
+            exiting.at_exit()
             os._exit(1 if mine else 0)
         finally:
             os._exit(2)
@@ -423,7 +423,7 @@ def test_each_worker_gets_one_sigterm(tmp_path):
 
 @pytest.mark.parametrize("start_method", ["zygote", "fork"])
 def test_contexts_joined_through_their_processes_are_not_kept(start_method):
-    before = len(_context._live_contexts)
+    before = len(exiting.live_contexts)
     fds_before = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
         ctx = fastspawn.start_processes(
@@ -435,7 +435,7 @@ def test_contexts_joined_through_their_processes_are_not_kept(start_method):
     import gc
 
     gc.collect()
-    assert len(_context._live_contexts) == before
+    assert len(exiting.live_contexts) == before
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 from fastspawn._launch import context as _context
+from fastspawn._launch import exiting
 from fastspawn._launch.context import ProcessContext
 from fastspawn._launch.errors import ProcessExitedException, ProcessRaisedException
 from fastspawn._launch.methods import base, helpers, registry
@@ -153,11 +154,11 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
     moment a launch ends included, kills every worker started."""
     started: base.Started = []
     context = receiver = tx = None
-    under_way = object()  # in _context.launches_under_way until handed over
+    under_way = object()  # in exiting.launches_under_way until handed over
     try:
         try:
             with oscall.held_signals():  # made and recorded, for the cleanup
-                _context.launches_under_way.add(under_way)
+                exiting.launches_under_way.add(under_way)
                 rx_sock, tx = channel_pair()
                 receiver = Receiver(rx_sock)
             base.launch(request, tx, receiver, started)
@@ -183,7 +184,7 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
             )
             if lingering:
                 helpers.linger_groups(request.watched_groups)
-            _context.launches_under_way.discard(under_way)
+            exiting.launches_under_way.discard(under_way)
         while join and not context.join():
             pass
         return context
@@ -191,7 +192,7 @@ def launch_context(request: base.LaunchRequest, join: bool = False) -> ProcessCo
         # Whatever else comes meanwhile (Ctrl-C again and again) waits for
         # the workers to be killed and reaped: they are SIGKILLed first.
         with oscall.held_signals():
-            _context.launches_under_way.discard(under_way)  # ended here
+            exiting.launches_under_way.discard(under_way)  # ended here
             if tx is not None:
                 tx.close()  # again, if a Ctrl-C came before the finally's
             # A fork or spawn launch's group anchor, if a Ctrl-C cut its

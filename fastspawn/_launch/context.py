@@ -1,9 +1,8 @@
 """ProcessContext: the workers of one launch, joined together (torch's
-``ProcessContext``), and what ends the launches left running at exit."""
+``ProcessContext``)."""
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
@@ -16,7 +15,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from fastspawn._launch import kernel_output
+from fastspawn._launch import exiting, kernel_output
 from fastspawn._launch import stacks as _stacks
 from fastspawn._launch.errors import (
     ProcessException,
@@ -33,24 +32,12 @@ from fastspawn._launch.process import (
 from fastspawn._os import oscall
 from fastspawn._os.oscall import wait_readable
 from fastspawn._wire.channel import Receiver
-from fastspawn._worker import runner
 
 # The logger's name is the one the docs give (differences.md, stacks.md),
 # which logging set-ups match: kept from before the package had floors.
 LOGGER_NAME = "fastspawn._context"
 log = logging.getLogger(LOGGER_NAME)
 
-
-# Contexts whose workers are not all reaped, held (as multiprocessing holds
-# its children) so that a context dropped unjoined is still shut down at exit.
-_live_contexts: set[ProcessContext] = set()
-
-# Launches under way, by a token each: their workers can be running before
-# their context exists and joins _live_contexts (a launch by another thread
-# that the main thread's exit overtakes), so the exit hook waits for them to
-# hand over rather than stop the zygote, and the workers with it, under them.
-launches_under_way: set[object] = set()
-HANDOVER_WAIT = 30.0  # seconds the exit hook waits for those, at most
 
 _CHANNEL = 1 << 62  # the waiter token of the report channel (ranks are the others)
 
@@ -153,7 +140,7 @@ class ProcessContext:
         # signal, say), by rank, each raised by one more join() as torch does.
         self._unreported: list[int] = []
         if processes:
-            _live_contexts.add(self)
+            exiting.live_contexts.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -214,7 +201,7 @@ class ProcessContext:
             self._reaped_elsewhere.append(proc.rank)
         self._open_pidfds -= 1
         if self._open_pidfds == 0:
-            _live_contexts.discard(self)
+            exiting.live_contexts.discard(self)
             helpers.forget_groups(self._watched_groups)
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
@@ -644,7 +631,7 @@ class ProcessContext:
         waiter.close()
         self._receiver.close()
         helpers.forget_groups(self._watched_groups)
-        _live_contexts.discard(self)
+        exiting.live_contexts.discard(self)
 
     def _shutdown_at_exit(self) -> None:
         """What multiprocessing does at interpreter exit: terminate daemonic
@@ -676,44 +663,3 @@ class ProcessContext:
             self._end(signal.SIGTERM if self.daemon else None)
         finally:
             self._join_lock.release()
-
-
-def _forget_in_child() -> None:
-    # A process forked from ours (os.fork(), a "fork" worker) must not shut
-    # our workers down at its exit, nor read their reports.
-    _live_contexts.clear()
-    launches_under_way.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
-@atexit.register
-def _at_exit() -> None:
-    _wait_for_handovers(HANDOVER_WAIT)
-    for ctx in list(_live_contexts):
-        try:
-            ctx._shutdown_at_exit()
-        except Exception:
-            log.exception("fastspawn: could not shut down %r at exit", ctx)
-    helpers.stop_at_exit()
-
-
-def _wait_for_handovers(timeout: float) -> None:
-    """Wait for the launches other threads have under way to hand their
-    workers to a context (or to fail and kill them)."""
-    deadline = time.monotonic() + timeout
-    while launches_under_way:
-        if time.monotonic() >= deadline:
-            log.warning(
-                "fastspawn: a launch in another thread was still under way at exit "
-                "after %.0f s; its workers are stopped with the zygote",
-                timeout,
-            )
-            return
-        time.sleep(0.01)
-
-
-# A zygote worker, or one forked from the caller, runs no atexit handler it
-# inherited: its end calls this one (see fastspawn._worker.runner.finish).
-runner.launches_at_exit = _at_exit

@@ -29,7 +29,7 @@ from fastspawn._wire import pickling
 
 # At exit, multiprocessing's own end (its finalizers, a Manager's shutdown
 # among them; then daemonic processes terminated, the others joined) must
-# come before fastspawn's (fastspawn._launch.context), which waits for every
+# come before fastspawn's (fastspawn._launch.exiting), which waits for every
 # launch still running (a Manager's server would never end) and then stops
 # the zygote.  Registered after fastspawn's, it runs first; its second run,
 # multiprocessing's own registration, does nothing.

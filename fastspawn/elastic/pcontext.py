@@ -536,11 +536,12 @@ class PContext:
 def _close_after_signal() -> None:
     """At interpreter exit after a SignalException (one left uncaught, most
     often), close every context still live with that signal: SPEC section 3,
-    no worker outlives a signalled launcher.  Without this, fastspawn._launch.context's exit
-    hook would wait for the ranks to end by themselves.
+    no worker outlives a signalled launcher.  Without this, the launches'
+    exit hook (fastspawn._launch.exiting) would wait for the ranks to end
+    by themselves.
 
-    Registered when this module is imported, after fastspawn._launch.context (imported
-    above) registered its hook, so it runs first: atexit is LIFO.
+    Registered when this module is imported, after that hook (imported
+    with the launch API above), so it runs first: atexit is LIFO.
     """
     to_close = [(ctx, sig) for ctx, sig in _signalled.items() if ctx in _live_contexts]
     if not to_close:
