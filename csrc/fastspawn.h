@@ -111,7 +111,6 @@ struct fs_fork_plan {
     pid_t parent;              /* the forking process: the pdeathsig check */
     int pdeathsig;             /* armed in each rank; 0: none */
     int group;                 /* > 0: the process group of every rank */
-    uint64_t unblock;          /* bit n-1: signal n unblocked in each rank */
     const char *stacks_prefix; /* non-NULL: each rank's stack file (stacks.c) */
     int stacks_fd;             /* at this fd */
     int failed_step;           /* out: an fs_fork_step */

@@ -4,12 +4,9 @@
 #include <Python.h>
 
 #include <errno.h>
-#include <signal.h>
-#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "fastspawn.h"
-#include "sigbits.h"
 
 /* A child's own set-up, before the interpreter's after-fork work: its
  * process group and its parent-death signal with the race check.  Only
@@ -22,16 +19,6 @@ static int child_set_up(const struct fs_fork_plan *plan)
     if (plan->pdeathsig > 0 && fs_set_pdeathsig(plan->pdeathsig, plan->parent) != 0)
         return FS_FORK_PDEATHSIG;
     return FS_FORK_OK;
-}
-
-/* Unblock the signals of `mask` (bit n-1: signal n) in the calling thread. */
-static void unblock(uint64_t mask)
-{
-    sigset_t set;
-
-    fs_sigset_from_bits(mask, &set);
-    /* Cannot fail for SIG_UNBLOCK with a valid set. */
-    pthread_sigmask(SIG_UNBLOCK, &set, NULL);
 }
 
 /* Fork ranks plan->next .. plan->nprocs - 1 of a launch from the calling
@@ -52,10 +39,11 @@ static void unblock(uint64_t mask)
  * when plan->group > 0 (as shells do: set in both processes; EACCES, EPERM
  * and ESRCH mean the child did it or moved on, and are not failures).
  * In each child: setpgid(0, group), PR_SET_PDEATHSIG with the check that
- * the parent is still plan->parent, the interpreter's after-fork work, and
- * then, if that set-up succeeded, plan->unblock unblocked (after the
- * after-fork work, which drops the signals Python caught but had not yet
- * handled).
+ * the parent is still plan->parent, and the interpreter's after-fork work.
+ * The signal mask stays the parent's: a signal the caller blocked for the
+ * loop is let through by the rank's own code once it can handle what a
+ * handler raises (here, the first Python to run after the return would
+ * be the caller's loop, in the child).
  *
  * Returns, in a child, its rank; -2 in a child whose set-up failed, its
  * rank in plan->next, the step that failed in plan->failed_step, errno in
@@ -105,8 +93,6 @@ int fs_fork_ranks(struct fs_fork_plan *plan, pid_t *pids)
         step = child_set_up(plan);
         error = step == FS_FORK_OK ? 0 : errno;
         PyOS_AfterFork_Child();
-        if (step == FS_FORK_OK)
-            unblock(plan->unblock);
     } else {
         PyOS_AfterFork_Parent();
     }

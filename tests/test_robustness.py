@@ -953,6 +953,55 @@ def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_me
     assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
 
 
+def test_a_signal_at_a_zygote_ranks_birth_ends_that_rank_alone(tmp_path):
+    # A SIGINT sent as start() returns can land before the forked rank has
+    # its own handling.  It ends that rank (exit code 1, KeyboardInterrupt;
+    # or -2), as it would a process forked at the start.  It was let
+    # through as the fork loop returned, and the KeyboardInterrupt unwound
+    # the rank into the zygote's own code, which reported the launch
+    # failed and shut down as the zygote: the rank killed itself and every
+    # other worker of the zygote (exit -9; 37 of 80 starts here).  Ready
+    # workers off: every start forks.
+    script = tmp_path / "birth.py"
+    done = run_script(
+        script,
+        """
+            import collections, os, signal, time
+            import fastspawn
+
+            def nap():
+                # Short sleeps: a signal Python takes just before one starts
+                # is handled when it ends (CPython checks only between calls).
+                while True:
+                    time.sleep(0.05)
+
+            if __name__ == "__main__":
+                ctx = fastspawn.get_context("fastspawn")
+                other = ctx.Process(target=nap)
+                other.start()
+                codes = collections.Counter()
+                for _ in range(40):
+                    process = ctx.Process(target=nap)
+                    process.start()
+                    os.kill(process.pid, signal.SIGINT)
+                    process.join(60)
+                    if process.exitcode is None:
+                        process.kill()
+                        process.join()
+                    codes[process.exitcode] += 1
+                alive = other.is_alive()
+                other.kill()
+                other.join()
+                print(alive, sorted(codes.items()))
+            """,
+        env={**os.environ, "FASTSPAWN_READY": "0"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    alive, codes = done.stdout.split(" ", 1)
+    assert alive == "True", done.stdout
+    assert set(dict(eval(codes))) <= {1, -signal.SIGINT}, done.stdout
+
+
 def test_a_fork_rank_never_returns_into_the_callers_code(monkeypatch):
     # A handler of the caller's that raises can run in a "fork" rank as it
     # lets its signals through, before the worker's own handling starts

@@ -72,9 +72,12 @@ class ForkLoop:
     """The ranks of one launch, forked by the C loop (fs_fork_ranks): no
     Python runs in the forking process between two forks, nor in a child
     before its process group, PR_SET_PDEATHSIG (checked against ``parent``)
-    and the interpreter's after-fork work are done, and ``unblock`` is
-    unblocked.  :meth:`fork` forks the ranks not yet forked; the pids so
-    far are in :attr:`pids`.
+    and the interpreter's after-fork work are done.  A rank keeps the
+    forking thread's signal mask: signals blocked for the loop stay blocked
+    until the rank's own code, ready to handle what a handler raises, lets
+    them through (a handler run at the return from :meth:`fork` would raise
+    into the forking code's frames, in the child).  :meth:`fork` forks the
+    ranks not yet forked; the pids so far are in :attr:`pids`.
     """
 
     # The steps of the loop that can fail (failure()'s first value).
@@ -97,7 +100,6 @@ class ForkLoop:
         parent: int,
         group: int,
         pdeathsig: int,
-        unblock: Iterable[int],
         started: Sequence[int] = (),
     ) -> None:
         """``started``: the pids of the first ranks, started otherwise (the
@@ -107,7 +109,6 @@ class ForkLoop:
         self._plan.parent = parent
         self._plan.group = group
         self._plan.pdeathsig = pdeathsig
-        self._plan.unblock = _mask_bits(unblock)
         self._pids = ffi.new("pid_t[]", max(nprocs, 1))
         for rank, pid in enumerate(started):
             self._pids[rank] = pid

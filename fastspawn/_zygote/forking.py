@@ -101,6 +101,7 @@ class Forker:
                 if error is not None:
                     raise error
         except BaseException as exc:
+            end_if_forked(self.me)
             if terminating():
                 raise  # our own shutdown (the guard died): no failure of the launch's
             report_failure(launch, pids, call, exc)
@@ -136,17 +137,14 @@ class Forker:
         and the signals not lent."""
         # A signal landing between fork and the worker's own handling would
         # run the zygote's handlers in the worker (SIGTERM would make it act
-        # as a zygote shutting down, and exit 0).  Block them across the
-        # loop; each worker unblocks them with its own handlers in place.
+        # as a zygote shutting down, and exit 0), or the lent ones in the
+        # zygote's frames (a KeyboardInterrupt unwinding through them).
+        # Block them across the loop; each worker unblocks them inside its
+        # own handling (set_up_child).
         signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
         unlent = self.signals.lend()
         loop = oscall.ForkLoop(
-            header.nprocs,
-            self.me,
-            group or header.join_group,
-            signal.SIGKILL,
-            () if unlent else ZYGOTE_SIGNALS,
-            started=started,
+            header.nprocs, self.me, group or header.join_group, signal.SIGKILL, started=started
         )
         spec = self.worker_spec(header, launch, stdio, *prepared, close_fds)
         spec.stacks = stacks.in_worker
@@ -319,13 +317,24 @@ class Forker:
 
 def set_up_child(loop: oscall.ForkLoop, index: int, unlent: set[int]) -> None:
     """In a child the C fork loop just forked (a rank, or a ready worker;
-    ``index`` -2: its set-up failed, see ForkLoop.fork): exit if the zygote
-    died before PR_SET_PDEATHSIG was armed, raise if another step failed;
-    else let the zygote's signals through, with the handlers not lent."""
+    ``index`` -2: its set-up failed, see ForkLoop.fork), inside the child's
+    own handling: exit if the zygote died before PR_SET_PDEATHSIG was
+    armed, raise if another step failed; else let the zygote's signals
+    through (blocked since the fork), with the handlers not lent."""
     if index < 0:
         step, error = loop.failure()
         if step == oscall.ForkLoop.STEP_PDEATHSIG and isinstance(error, ProcessLookupError):
             os._exit(1)  # the zygote died before prctl: nobody wants us
         raise error or AssertionError(f"fs_fork_ranks failed at step {step}")
-    if unlent:
-        let_signals_through(unlent)
+    let_signals_through(unlent)
+
+
+def end_if_forked(zygote: int) -> None:
+    """On an exception's way out of a fork loop: in a child of the loop
+    (something raised there before the child took on its own handling),
+    print it and end.  Unwound into the zygote's frames, the child would
+    report the launch failed and kill its other ranks, then shut down as
+    the zygote does, killing every worker."""
+    if os.getpid() != zygote:
+        runner.print_exc()
+        os._exit(1)

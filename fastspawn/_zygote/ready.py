@@ -47,6 +47,7 @@ import time
 from fastspawn._os import oscall
 from fastspawn._wire import channel as _channel
 from fastspawn._zygote import protocol
+from fastspawn._zygote.forking import end_if_forked
 from fastspawn._zygote.launch import LaunchStdio
 from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals
 from fastspawn._zygote.wake import (
@@ -276,15 +277,16 @@ class ReadyPool:
         pids: list[int] = []
         try:
             unlent = self.signals.lend()
-            loop = oscall.ForkLoop(
-                len(pairs), self.me, 0, signal.SIGKILL, () if unlent else ZYGOTE_SIGNALS
-            )
+            loop = oscall.ForkLoop(len(pairs), self.me, 0, signal.SIGKILL)
             rank = loop.fork()
             if rank != -1:
                 in_ready_worker(
                     loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state, own_name
                 )
             pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
+        except BaseException:
+            end_if_forked(self.me)
+            raise
         finally:
             _rename(own_name)
             self.signals.take_back()
