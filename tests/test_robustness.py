@@ -865,56 +865,13 @@ def test_fork_worker_while_another_thread_reads_stdin(tmp_path):
     assert done.stdout.splitlines() == ["True"]
 
 
-@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
-def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_method):
-    # The main thread exits while a daemon thread blocks in a join: the exit
-    # hook waits for the (non-daemonic) workers without closing the fds
-    # that join is using (it raised EBADF or ChildProcessError there).
-    script = tmp_path / "daemon_join.py"
+def _exit_beside_a_daemon_launch(tmp_path, start_method: str, work: float, handover: float) -> None:
+    """Run a script whose main thread exits once the two workers a daemon
+    thread launched are running (each sleeps ``work`` seconds, then says it
+    is done), that launch's context made ``handover`` seconds late; check
+    the exit waited for both, with no traceback."""
     done = run_script(
-        script,
-        f"""
-            import os, threading, time
-            import fastspawn
-
-            def work(rank):
-                open(os.path.join({str(tmp_path)!r}, f"started-{{rank}}"), "w").close()
-                time.sleep(2.0)  # outlasts the exit hook's 1 s wait for the join
-                os.write(1, f"worker {{rank}} done\\n".encode())
-
-            if __name__ == "__main__":
-                threading.Thread(
-                    target=fastspawn.start_processes,
-                    args=(work,),
-                    kwargs={{"nprocs": 2, "start_method": {start_method!r}}},
-                    daemon=True,
-                ).start()
-                # Exit once both workers run, the join then under way (a
-                # loaded machine may take seconds to start spawn's).
-                deadline = time.monotonic() + 60
-                while not all(
-                    os.path.exists(os.path.join({str(tmp_path)!r}, f"started-{{rank}}"))
-                    for rank in (0, 1)
-                ):
-                    assert time.monotonic() < deadline, "the workers did not start"
-                    time.sleep(0.05)
-            """,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
-
-
-@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
-def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_method):
-    # The main thread exits after another thread's workers started but
-    # before that launch made their context (slowed here to make it
-    # certain; a loaded machine did it 3 times in 80): the exit hook waits
-    # for the handover, then for the workers, as for any launch.  It found
-    # no context and stopped the zygote, killing them.
-    script = tmp_path / "handover.py"
-    done = run_script(
-        script,
+        tmp_path / "daemon_launch.py",
         f"""
             import os, threading, time
             import fastspawn
@@ -922,13 +879,13 @@ def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_me
 
             def work(rank):
                 open(os.path.join({str(tmp_path)!r}, f"started-{{rank}}"), "w").close()
-                time.sleep(1.0)
+                time.sleep({work!r})
                 os.write(1, f"worker {{rank}} done\\n".encode())
 
             made = api.ProcessContext
 
             def made_late(*args, **kwargs):
-                time.sleep(1.5)  # the main thread is exiting meanwhile
+                time.sleep({handover!r})  # the main thread may be exiting meanwhile
                 return made(*args, **kwargs)
 
             if __name__ == "__main__":
@@ -939,6 +896,8 @@ def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_me
                     kwargs={{"nprocs": 2, "start_method": {start_method!r}}},
                     daemon=True,
                 ).start()
+                # Exit once both workers run (a loaded machine may take
+                # seconds to start spawn's).
                 deadline = time.monotonic() + 60
                 while not all(
                     os.path.exists(os.path.join({str(tmp_path)!r}, f"started-{{rank}}"))
@@ -951,6 +910,25 @@ def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_me
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert sorted(done.stdout.splitlines()) == ["worker 0 done", "worker 1 done"]
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_exit_while_a_daemon_thread_joins_leaves_its_fds_alone(tmp_path, start_method):
+    # The main thread exits while a daemon thread blocks in a join: the exit
+    # hook waits for the (non-daemonic) workers without closing the fds
+    # that join is using (it raised EBADF or ChildProcessError there).  The
+    # workers outlast the exit hook's 1 s wait for the join.
+    _exit_beside_a_daemon_launch(tmp_path, start_method, work=2.0, handover=0.0)
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_exit_waits_for_a_launch_another_thread_has_under_way(tmp_path, start_method):
+    # The main thread exits after another thread's workers started but
+    # before that launch made their context (slowed here to make it
+    # certain; a loaded machine did it 3 times in 80): the exit hook waits
+    # for the handover, then for the workers, as for any launch.  It found
+    # no context and stopped the zygote, killing them.
+    _exit_beside_a_daemon_launch(tmp_path, start_method, work=1.0, handover=1.5)
 
 
 def test_a_signal_at_a_zygote_ranks_birth_ends_that_rank_alone(tmp_path):
