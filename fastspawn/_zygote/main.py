@@ -14,7 +14,6 @@ from fastspawn._os.children import kill_children
 from fastspawn._worker import runner
 from fastspawn._worker import spawned as worker_spawned
 from fastspawn._zygote import protocol
-from fastspawn._zygote.forking import end_if_forked
 from fastspawn._zygote.launch import import_all
 from fastspawn._zygote.server import Zygote
 from fastspawn._zygote.signals import exit_on_sigterm, terminating
@@ -120,8 +119,6 @@ def main() -> None:
         zygote.settle()
         zygote.serve()
     finally:
-        if zygote is not None:
-            end_if_forked(zygote.me)  # a worker that unwound this far: never the zygote
         while zygote is not None:
             try:
                 zygote.shutdown()
