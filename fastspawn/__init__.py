@@ -75,7 +75,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         from fastspawn._mp import face
 
-        if name not in face.MULTIPROCESSING_NAMES and name not in face.TORCH_NAMES:
+        if not face.provides(name):
             raise AttributeError(f"module 'fastspawn' has no attribute {name!r}")
         module = face.__name__
     value = getattr(importlib.import_module(module), name)
@@ -87,7 +87,9 @@ def __dir__() -> list[str]:
     from fastspawn._mp import face
 
     torch = list(face.TORCH_NAMES) if face.torch_installed() else []
-    return sorted({*globals(), *_WHERE, *face.MULTIPROCESSING_NAMES, *torch})
+    return sorted(
+        {*globals(), *_WHERE, *face.MULTIPROCESSING_NAMES, *face.LEVELS, *face.SUBMODULES, *torch}
+    )
 
 
 if TYPE_CHECKING:

@@ -6,10 +6,12 @@ used with them, concurrent.futures and torch's DataLoader over them, and
 from __future__ import annotations
 
 import gc
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -621,6 +623,29 @@ def test_every_multiprocessing_name_is_on_fastspawn():
     assert [name for name in torch_mp.__all__ if not hasattr(fastspawn, name)] == []
     assert set(torch_mp.__all__) <= set(dir(fastspawn))
     assert fastspawn.ProcessHandle is not fastspawn.Process
+
+
+def test_multiprocessing_levels_and_submodules_are_on_fastspawn():
+    """What a program reaches through multiprocessing's module beyond
+    __all__ it reaches through fastspawn: the logging levels, and each
+    submodule (imported on first use: mp.connection.wait, mp.pool.ThreadPool)
+    but spawn, torch's function here as in torch.multiprocessing, and the
+    Windows one."""
+    assert (fastspawn.SUBDEBUG, fastspawn.SUBWARNING) == (
+        multiprocessing.SUBDEBUG,
+        multiprocessing.SUBWARNING,
+    )
+    found = {module.name for module in pkgutil.iter_modules(multiprocessing.__path__)}
+    submodules = sorted(found - {"spawn", "popen_spawn_win32"})
+    assert "connection" in submodules and "shared_memory" in submodules
+    for name in submodules:
+        assert getattr(fastspawn, name) is importlib.import_module(f"multiprocessing.{name}")
+        assert name in dir(fastspawn)
+    from fastspawn import pool
+
+    assert pool.ThreadPool is multiprocessing.pool.ThreadPool
+    assert fastspawn.spawn is importlib.import_module("fastspawn._launch.api").spawn
+    assert not hasattr(fastspawn, "popen_spawn_win32")
 
 
 def test_fastspawn_process_is_started_by_fastspawn(restore_start_methods):

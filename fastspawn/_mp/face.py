@@ -1,13 +1,17 @@
 """``import fastspawn as mp``: the names of ``multiprocessing`` (and of
 ``torch.multiprocessing``), backed by fastspawn's default context, so that
 ``mp.Process``, ``mp.Pool``, ``mp.Queue`` ... are multiprocessing's own
-objects whose processes fastspawn starts."""
+objects whose processes fastspawn starts; and what else a program reaches
+through ``multiprocessing``'s module: its logging levels and its submodules
+(``mp.connection.wait``, ``mp.pool.ThreadPool``, ``mp.shared_memory``)."""
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 
-from fastspawn._mp import context
+# Not "context": that name is multiprocessing.context's here (SUBMODULES).
+from fastspawn._mp import context as _contexts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -18,6 +22,39 @@ if TYPE_CHECKING:
 MULTIPROCESSING_NAMES = tuple(sorted(multiprocessing.__all__))
 # torch.multiprocessing's, beyond multiprocessing's: torch's own functions.
 TORCH_NAMES = ("get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy")
+# multiprocessing's module attributes beyond __all__: its two logging levels.
+LEVELS = ("SUBDEBUG", "SUBWARNING")
+# Its submodules, imported on first use as ``import multiprocessing.pool``
+# would; all but ``spawn``, which names torch's function here, as in
+# torch.multiprocessing.
+SUBMODULES = (
+    "connection",
+    "context",
+    "dummy",
+    "forkserver",
+    "heap",
+    "managers",
+    "pool",
+    "popen_fork",
+    "popen_forkserver",
+    "popen_spawn_posix",
+    "process",
+    "queues",
+    "reduction",
+    "resource_sharer",
+    "resource_tracker",
+    "shared_memory",
+    "sharedctypes",
+    "synchronize",
+    "util",
+)
+
+
+def provides(name: str) -> bool:
+    """Whether ``name`` is one of those this module gives fastspawn."""
+    return (
+        name in MULTIPROCESSING_NAMES or name in TORCH_NAMES or name in LEVELS or name in SUBMODULES
+    )
 
 
 def torch_installed() -> bool:
@@ -37,5 +74,9 @@ def __getattr__(name: str) -> Any:
             ) from None
         return getattr(torch.multiprocessing, name)
     if name in MULTIPROCESSING_NAMES:
-        return getattr(context.DEFAULT, name)
+        return getattr(_contexts.DEFAULT, name)
+    if name in LEVELS:
+        return getattr(multiprocessing, name)
+    if name in SUBMODULES:
+        return importlib.import_module(f"multiprocessing.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
