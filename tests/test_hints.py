@@ -158,7 +158,7 @@ report("args", guarded_made_from, (2,))
 report("fork", guarded, method="fork")
 if sys.version_info >= (3, 11):  # 3.10 pickles a fork context's lock without a word
     import multiprocessing
-    queue = multiprocessing.SimpleQueue()
+    queue = multiprocessing.get_context("fork").SimpleQueue()  # the default before 3.14
     def put_rank(rank):
         queue.put(rank)
     report("fork_context", put_rank)
