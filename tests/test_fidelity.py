@@ -120,9 +120,22 @@ def test_start_method_none_success_first_then_exception(parallel_start):
         start_none(workers.return_or_raise)
 
 
-@pytest.fixture(params=multiprocessing.get_all_start_methods())
+# fastspawn's context names and the method each stands for; from Python 3.14
+# multiprocessing.get_all_start_methods() lists them too.
+CONTEXT_METHODS = {
+    "fastspawn": "zygote",
+    "fastspawn-spawn": "spawn",
+    "fastspawn-fork": "fork",
+    "fastspawn-forkserver": "forkserver",
+}
+
+
+@pytest.fixture(
+    params=list(dict.fromkeys([*multiprocessing.get_all_start_methods(), *CONTEXT_METHODS]))
+)
 def multiprocessing_default(request):
-    """multiprocessing's default start method set to each it offers."""
+    """multiprocessing's default start method set to each it offers, and
+    to each of fastspawn's contexts."""
     saved = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method(request.param, force=True)
     yield request.param
@@ -133,7 +146,9 @@ def test_start_method_none_is_multiprocessings_default(multiprocessing_default):
     # As in torch: objects made from get_context(None) (a fork context's
     # SimpleQueue, whose semaphore only a fork of this process can use)
     # work in the workers, whatever the default is.
-    assert registry.get(None).name == multiprocessing_default
+    assert registry.get(None).name == CONTEXT_METHODS.get(
+        multiprocessing_default, multiprocessing_default
+    )
     queue = multiprocessing.get_context(None).SimpleQueue()
     try:
         start_none(workers.put_rank, (queue,))
