@@ -162,6 +162,44 @@ def test_start_method_none_without_a_namesake_is_fastspawns_default(monkeypatch)
     assert registry.get(None).name == registry.DEFAULT
 
 
+@pytest.fixture
+def callers_tracker():
+    """The inode of the pipe to this process's resource tracker, started;
+    with the zygote's ready workers off meanwhile, so that its ranks are
+    forked at launch (those from ready workers: test_ready.py)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote up
+    fastspawn.prefork(0, refill=False)
+    yield os.fstat(resource_tracker._resource_tracker._fd).st_ino
+    fastspawn.prefork(0)  # the background back on
+
+
+@pytest.mark.parametrize("method", ["zygote", "fork", "spawn", "forkserver"])
+def test_ranks_share_the_callers_resource_tracker(callers_tracker, method):
+    # As multiprocessing's children do: what a rank registers (a semaphore,
+    # shared memory) is the caller's tracker's to clean up at the caller's
+    # exit, not a tracker of the rank's own that unlinks it when the rank
+    # ends.  Python 3.14.10 closes the pipe in a bare os.fork()'s child.
+    ctx = fastspawn.start_processes(workers.tracker_pipe, nprocs=2, start_method=method)
+    assert ctx.return_values == {0: callers_tracker, 1: callers_tracker}
+
+
+@pytest.mark.parametrize("name", ["fastspawn", "fastspawn-fork", "fastspawn-spawn"])
+def test_context_processes_share_the_callers_resource_tracker(callers_tracker, name):
+    context = fastspawn.get_context(name)
+    queue = context.SimpleQueue()
+    process = context.Process(target=workers.tracker_pipe, args=(0, queue))
+    process.start()
+    try:
+        assert queue.get() == callers_tracker
+    finally:
+        process.join()
+        queue.close()
+    assert process.exitcode == 0
+
+
 def test_spawn_start_method_none_is_the_default_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

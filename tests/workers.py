@@ -22,6 +22,18 @@ def put_rank(rank: int, queue: Any) -> None:
     queue.put(rank)
 
 
+def tracker_pipe(rank: int = 0, queue: Any = None) -> int | None:
+    """The inode of the pipe this process reaches multiprocessing's resource
+    tracker through, None without one; put on ``queue`` too if given."""
+    from multiprocessing import resource_tracker
+
+    fd = resource_tracker._resource_tracker._fd
+    inode = None if fd is None else os.fstat(fd).st_ino
+    if queue is not None:
+        queue.put(inode)
+    return inode
+
+
 def raise_on(rank: int, bad_rank: int, sleep: float = 1.0) -> None:
     if rank == bad_rank:
         raise ValueError(f"legitimate exception from process {rank}")

@@ -36,6 +36,21 @@ if TYPE_CHECKING:
 inherited_fds: list[int] = []
 
 
+def keep_tracker_at_fork(keep: bool) -> None:
+    """Whether a fork from this thread keeps multiprocessing's resource
+    tracker pipe open in the child, as multiprocessing's own fork does: the
+    ranks of a launch share the caller's tracker (their semaphores and
+    shared memory are the caller's to clean up, not a tracker of their own
+    that ends with them).  Since CPython gh-146313 (in 3.14.10), an at-fork
+    handler closes the pipe in the child of a bare os.fork() unless the
+    forking thread says to keep it; without the module imported there is
+    no handler."""
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    intent = getattr(tracker, "_fork_intent", None)
+    if intent is not None:
+        intent.preserve_fd = keep
+
+
 class InheritedFd:
     """Stands for a collected fd inside a pickle; ``detach`` gives a private dup."""
 

@@ -10,6 +10,7 @@ import sys
 
 from fastspawn._os import oscall, procstate
 from fastspawn._wire import channel as _channel
+from fastspawn._wire import pickling
 from fastspawn._worker import forked as worker_forked
 from fastspawn._worker import runner
 from fastspawn._worker import stacks as worker_stacks
@@ -171,7 +172,11 @@ class Forker:
         while loop.next < nprocs:
             first = loop.next
             prefix = worker_stacks.STACKS_PREFIX if stacks.stacks_file is not None else None
-            rank = loop.fork(prefix, stacks.fd)
+            pickling.keep_tracker_at_fork(True)  # the launch's, adopted (adopt_tracker)
+            try:
+                rank = loop.fork(prefix, stacks.fd)
+            finally:
+                pickling.keep_tracker_at_fork(False)  # in the parent and each rank
             if rank != -1:
                 self.in_worker(spec, rank, stdio, loop, unlent, links)
             for forked, pid in enumerate(loop.pids[first:], first):

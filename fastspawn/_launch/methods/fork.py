@@ -19,6 +19,7 @@ from fastspawn._launch.methods import base, common
 from fastspawn._launch.methods.base import LaunchRequest, Started
 from fastspawn._os import oscall
 from fastspawn._os.launcher_thread import on_launcher_thread
+from fastspawn._wire import pickling
 from fastspawn._wire.channel import Receiver
 from fastspawn._worker import forked as worker_forked
 from fastspawn._worker import runner
@@ -57,7 +58,11 @@ def _fork_ranks(req: LaunchRequest, tx: socket.socket, rx: Receiver, started: St
                 if stacks_file is not None and stacks_file(prefix, rank, stacks_fd) != 0:
                     stacks.failed()
                     stacks_file = None
-                pid = _fork(rank)
+                pickling.keep_tracker_at_fork(True)
+                try:
+                    pid = _fork(rank)
+                finally:
+                    pickling.keep_tracker_at_fork(False)  # in the parent and the rank
                 if pid == 0:
                     _in_worker(spec, rank, group, req.stdio.get(rank), held.previous)
                 if group:
