@@ -88,7 +88,7 @@ def __dir__() -> list[str]:
 
     torch = list(face.TORCH_NAMES) if face.torch_installed() else []
     return sorted(
-        {*globals(), *_WHERE, *face.MULTIPROCESSING_NAMES, *face.LEVELS, *face.SUBMODULES, *torch}
+        {*globals(), *_WHERE, *face.MULTIPROCESSING_NAMES, *face.LEVELS, *face.submodules(), *torch}
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 
-# Not "context": that name is multiprocessing.context's here (SUBMODULES).
+# Not "context": that name is multiprocessing.context's here (submodules()).
 from fastspawn._mp import context as _contexts
 
 TYPE_CHECKING = False
@@ -24,36 +24,31 @@ MULTIPROCESSING_NAMES = tuple(sorted(multiprocessing.__all__))
 TORCH_NAMES = ("get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy")
 # multiprocessing's module attributes beyond __all__: its two logging levels.
 LEVELS = ("SUBDEBUG", "SUBWARNING")
-# Its submodules, imported on first use as ``import multiprocessing.pool``
-# would; all but ``spawn``, which names torch's function here, as in
-# torch.multiprocessing.
-SUBMODULES = (
-    "connection",
-    "context",
-    "dummy",
-    "forkserver",
-    "heap",
-    "managers",
-    "pool",
-    "popen_fork",
-    "popen_forkserver",
-    "popen_spawn_posix",
-    "process",
-    "queues",
-    "reduction",
-    "resource_sharer",
-    "resource_tracker",
-    "shared_memory",
-    "sharedctypes",
-    "synchronize",
-    "util",
-)
+_submodules: frozenset[str] | None = None
+
+
+def submodules() -> frozenset[str]:
+    """multiprocessing's submodules, imported on first use as ``import
+    multiprocessing.pool`` would (all but its Windows one; "spawn" among
+    them, but fastspawn's own table, read first, keeps that name for its
+    function, as torch.multiprocessing does).  Listed from the package once:
+    which there are differs between versions."""
+    global _submodules
+    if _submodules is None:
+        import pkgutil
+
+        found = pkgutil.iter_modules(multiprocessing.__path__)
+        _submodules = frozenset(m.name for m in found if not m.name.endswith("_win32"))
+    return _submodules
 
 
 def provides(name: str) -> bool:
     """Whether ``name`` is one of those this module gives fastspawn."""
     return (
-        name in MULTIPROCESSING_NAMES or name in TORCH_NAMES or name in LEVELS or name in SUBMODULES
+        name in MULTIPROCESSING_NAMES
+        or name in TORCH_NAMES
+        or name in LEVELS
+        or name in submodules()
     )
 
 
@@ -77,6 +72,6 @@ def __getattr__(name: str) -> Any:
         return getattr(_contexts.DEFAULT, name)
     if name in LEVELS:
         return getattr(multiprocessing, name)
-    if name in SUBMODULES:
+    if name in submodules():
         return importlib.import_module(f"multiprocessing.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
