@@ -117,7 +117,9 @@ def _run_path(path: str, argv: Sequence[str], main: types.ModuleType) -> None:
         )
         raise SystemExit(2) from None
     _set_path0(os.path.dirname(os.path.realpath(path)))
-    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None)
+    main.__dict__.update(__file__=path, __package__=None, __spec__=None)
+    if sys.version_info < (3, 15):  # 3.15 gives a script's __main__ no __cached__
+        main.__dict__["__cached__"] = None
     # compile() reads a PEP 263 coding line from the bytes, as the interpreter does.
     code = compile(source, path, "exec", dont_inherit=True)
     exec(code, main.__dict__)

@@ -195,7 +195,9 @@ def _fastspawn_boot():
         from importlib.machinery import SourceFileLoader
 
         loader = SourceFileLoader("__main__", full)
-        main.__dict__.update(__file__=full, __cached__=None, __loader__=loader)
+        main.__dict__.update(__file__=full, __loader__=loader)
+        if sys.version_info < (3, 15):  # 3.15 gives a script's __main__ no __cached__
+            main.__dict__["__cached__"] = None
         exec(compile(source, full, "exec", dont_inherit=True), main.__dict__)
 
     def excepthook(kind, value, tb, original=None):
