@@ -212,9 +212,14 @@ def test_spawn_with_another_start_method_hint():
     assert "To use a different start_method use:" in str(record[0].message)
     assert "fastspawn.start_processes(...)" in str(record[0].message)
     assert {ppid for _pid, ppid in ctx.return_values.values()} == {client.zygote_pid()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=2, start_method="fork")
+    # No warning of ours; Python's own for a fork of a process with threads
+    # (this one has the zygote's watch thread) may come, as it comes for
+    # multiprocessing's fork: from 3.15 it does, for any thread.
+    ours = [w for w in caught if "is multi-threaded, use of fork()" not in str(w.message)]
+    assert ours == []
     assert {ppid for _pid, ppid in ctx.return_values.values()} == {os.getpid()}
 
 
