@@ -7,6 +7,7 @@ through ``multiprocessing``'s module: its logging levels and its submodules
 
 from __future__ import annotations
 
+import functools
 import importlib
 import multiprocessing
 
@@ -24,22 +25,19 @@ MULTIPROCESSING_NAMES = tuple(sorted(multiprocessing.__all__))
 TORCH_NAMES = ("get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy")
 # multiprocessing's module attributes beyond __all__: its two logging levels.
 LEVELS = ("SUBDEBUG", "SUBWARNING")
-_submodules: frozenset[str] | None = None
 
 
+@functools.cache
 def submodules() -> frozenset[str]:
     """multiprocessing's submodules, imported on first use as ``import
     multiprocessing.pool`` would (all but its Windows one; "spawn" among
     them, but fastspawn's own table, read first, keeps that name for its
     function, as torch.multiprocessing does).  Listed from the package once:
     which there are differs between versions."""
-    global _submodules
-    if _submodules is None:
-        import pkgutil
+    import pkgutil
 
-        found = pkgutil.iter_modules(multiprocessing.__path__)
-        _submodules = frozenset(m.name for m in found if not m.name.endswith("_win32"))
-    return _submodules
+    found = pkgutil.iter_modules(multiprocessing.__path__)
+    return frozenset(m.name for m in found if not m.name.endswith("_win32"))
 
 
 def provides(name: str) -> bool:
