@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -813,6 +814,34 @@ def test_floor_helper_is_a_small_interpreter_that_forks_the_ranks(floor):
     session.live.remove(launched)
     method.teardown()
     assert not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE
+
+
+def test_floor_ranks_run_the_ranks_module_every_method_runs(tmp_path, monkeypatch):
+    # The floor's helper runs the source of the module the bench's ranks
+    # come from: a copy whose rank_main stamps its entry -1.0 shows it does.
+    source = Path(bench_ranks.__file__).read_text()
+    marked = source.replace("entered = time.monotonic()", "entered = -1.0")
+    assert marked != source
+    copy = tmp_path / "ranks_copy.py"
+    copy.write_text(marked)
+    monkeypatch.setattr(bench_floor, "_ranks", types.SimpleNamespace(__file__=str(copy)))
+    reports = bench_session.Reports(str(tmp_path))
+    session = bench_session.Session(reports, [], 0, "true", [])
+    method = bench_rounds.make_method("floor-preforked")
+    try:
+        method.setup(session)
+        method.prepare(session, 2)
+        launched, round_id, entered = _floor_round((method, session), 2)
+        assert entered == {0: -1.0, 1: -1.0}
+        launched.release(range(2))
+        launched.join()
+        assert sorted(session.reports.wait(round_id, bench_ranks.EXITED, 2, None)) == [0, 1]
+        session.live.remove(launched)
+    finally:
+        for launched in session.live:
+            launched.kill()
+        method.teardown()
+        reports.close()
 
 
 def test_floor_kill_reaps_unreleased_ranks_and_the_helper_goes_on(floor):

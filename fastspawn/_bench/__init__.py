@@ -18,13 +18,13 @@ A rank whose bench dies exits by itself (it polls a pidfd of the bench once a
 second), so an interrupted bench leaves nothing behind even where it never
 learnt a rank's pid.
 
-The floor method's ranks do not run ``rank_main``: a small helper
-interpreter (``python -I -S``, started untimed by ``floor.FloorMethod``)
-forks them in a bare ``os.fork()`` loop when the bench asks over a
-socketpair, and each writes the same records to the same FIFO from the
-program in ``_FLOOR_PROGRAM``; the helper reaps them and reports their pids
-and exit statuses back.  The tables compare every Python method's "all
-running" to the floor's.
+The floors' ranks run ``rank_main`` too, without fastspawn: a small
+helper interpreter (``python -I -S``, started untimed by
+``floor.FloorMethod``) runs the source of ``ranks`` and forks them in a bare
+``os.fork()`` loop when the bench asks over a socketpair (the program in
+``_FLOOR_PROGRAM``); the helper reaps them and reports their pids and exit
+statuses back.  The tables compare every Python method's "all running" to
+the floor's: the same function's ranks, started by nothing but a fork.
 
 ``ranks`` is the ranks' ``fn`` module: spawn-like ranks import it (and
 this package) to unpickle ``rank_main``.  Both therefore import only what a

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from fastspawn._bench import ranks as _ranks
 from fastspawn._bench.common import BenchError
 from fastspawn._bench.methods import Method, describe_exit
-from fastspawn._bench.ranks import _RECORD, ENTERED, EXITED, FAILED
 from fastspawn._bench.session import Launched, Session
 from fastspawn._zygote.protocol import MAIN_MODULE
 
@@ -163,12 +162,14 @@ FORK, PREFORK, WAKE = 1, 2, 3  # fork the ranks now; fork them ahead; wake those
 _FLOOR_CHUNK = 1024  # reports per message: far below a SOCK_SEQPACKET message's size limit
 
 # The floor's helper: run as ``python -I -S -c`` (no site, no fastspawn, no
-# multiprocessing), it imports os, select, signal, struct and time.  Each
-# FORK request forks the ranks in a bare loop; a rank reports entry, waits
-# for SIGUSR1, reports exit (or failure) as rank_main does, and _exits.  The
-# helper then reaps them, reporting each exit status.  A PREFORK request
-# (untimed) forks the ranks ahead instead, each waiting on a pipe of its own
-# (the other ranks' ends closed), and says PREFORKED once all are forked; the
+# multiprocessing), it imports os, select, signal, struct and time, and runs
+# the source of the ranks' module (``ranks``, which imports no more) for its
+# rank_main: the floor's ranks run the same ``fn`` as every method's.  Each
+# FORK request forks the ranks in a bare loop; a rank runs rank_main (reports
+# entry, waits for SIGUSR1, reports exit or fails) and _exits.  The helper
+# then reaps them, reporting each exit status.  A PREFORK request (untimed)
+# forks the ranks ahead instead, each waiting on a pipe of its own (the
+# other ranks' ends closed), and says PREFORKED once all are forked; the
 # WAKE request that follows writes the round's request to each pipe, one
 # write a rank, and the ranks go on as forked ones.  It ends at the bench's
 # EOF, or with the bench (PR_SET_PDEATHSIG); a rank ends by itself once the
@@ -176,30 +177,24 @@ _FLOOR_CHUNK = 1024  # reports per message: far below a SOCK_SEQPACKET message's
 _FLOOR_PROGRAM = """\
 import os, select, signal, struct, sys, time
 
-fifo, record_format, request_format, reply_format, *numbers = sys.argv[1:]
-ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, PREFORKED, FORK, PREFORK, CHUNK, *rest = (
-    map(int, numbers)
-)
-control, bench_pid = rest
-record, request, reply = map(struct.Struct, (record_format, request_format, reply_format))
-# Blocked before any fork: a release stays pending until sigtimedwait takes it.
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+fifo, ranks_path, request_format, reply_format, *numbers = sys.argv[1:]
+FORKED, ENDED, NOT_FORKED, PREFORKED, FORK, PREFORK, CHUNK, control, bench_pid = map(int, numbers)
+request, reply = map(struct.Struct, (request_format, reply_format))
+ranks = {"__name__": "fastspawn_floor_ranks"}
+with open(ranks_path, encoding="utf-8") as source:
+    exec(compile(source.read(), ranks_path, "exec"), ranks)
+ranks["floor_helper"] = os.getpid()
 bench = os.pidfd_open(bench_pid)
-out = os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)
-helper = os.getpid()
 
 
 def rank_main(round_id, rank, fail_rank):
-    entered = time.monotonic()
-    os.write(out, record.pack(round_id, rank, ENTERED, entered))
-    poller = select.poll()
-    poller.register(bench, select.POLLIN)
-    while signal.sigtimedwait([signal.SIGUSR1], 1.0) is None:
-        if poller.poll(0) or os.getppid() != helper:
-            os._exit(1)  # the bench or the helper is gone: nobody will release or reap us
-    kind = FAILED if rank == fail_rank else EXITED
-    os.write(out, record.pack(round_id, rank, kind, time.monotonic()))
-    os._exit(1 if kind == FAILED else 0)
+    try:
+        ranks["rank_main"](rank, (fifo, bench_pid, round_id, (), b"", fail_rank))
+    except RuntimeError:
+        if rank != fail_rank:
+            raise
+        os._exit(1)  # the failure the round asked for (its record is written)
+    os._exit(0)
 
 
 def fork_ranks(round_id, nprocs, fail_rank):
@@ -339,15 +334,14 @@ class FloorMethod(Method):
     def setup(self, session: Session) -> None:
         from fastspawn._os.helper import HelperClient
 
-        formats = [_RECORD.format, _FLOOR_REQUEST.format, _FLOOR_REPLY.format]
-        numbers = [ENTERED, EXITED, FAILED, FORKED, ENDED, NOT_FORKED, PREFORKED, FORK, PREFORK]
-        numbers.append(_FLOOR_CHUNK)
+        formats = [_FLOOR_REQUEST.format, _FLOOR_REPLY.format]
+        numbers = [FORKED, ENDED, NOT_FORKED, PREFORKED, FORK, PREFORK, _FLOOR_CHUNK]
         if not self.sized:
             argv = ["-I", "-S", "-c", _FLOOR_PROGRAM]
         else:
             imports = "".join(f"import {name}\n" for name in session.imports)
             argv = ["-c", _SIZED_PREFIX.replace(_IMPORTS, imports) + _FLOOR_PROGRAM]
-        argv += [session.reports.path, *formats]
+        argv += [session.reports.path, _ranks.__file__, *formats]
         # PR_SET_PDEATHSIG: a bench killed outright takes its helper along.
         self.helper = HelperClient([*argv, *map(str, numbers)], pdeathsig=signal.SIGKILL)
 

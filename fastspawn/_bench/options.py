@@ -158,9 +158,9 @@ helper interpreter (python -I -S importing os, select, signal, struct and
 time; no fastspawn, no multiprocessing), started untimed, forks the ranks in
 a bare os.fork() loop when the bench asks over a socketpair, and reaps them.
 t0 is taken before the request, so its round trip counts, as a launch call
-counts for the others.  Its ranks report, wait and exit (or fail) as the
-others do, but import nothing (--import and --payload-bytes do not apply),
-and the failure round SIGKILLs the others.  floor-sized is the same loop in
+counts for the others.  Its ranks run the same function as every method's
+(they report, wait and exit or fail), but import nothing (--import and
+--payload-bytes do not apply), and the failure round SIGKILLs the others.  floor-sized is the same loop in
 a helper the size of a zygote serving a small program (the same modules and
 --import's, gc.freeze(), its arenas in huge pages as the zygote's): a fork
 costs more from a bigger process, and this is what one of the zygote's size

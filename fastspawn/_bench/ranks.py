@@ -1,7 +1,9 @@
-"""What every rank of every Python method runs (rank_main): the ranks'
-``fn`` module, which spawn-like ranks import to unpickle it.  It imports
-only what a rank needs; a spawned rank must not pay for the bench's own
-imports (see the package's docstring for the records a rank writes)."""
+"""What every rank of every method runs (rank_main): the ranks' ``fn``
+module, which spawn-like ranks import to unpickle it, and whose source the
+floors' helpers run (floor._FLOOR_PROGRAM).  It imports only what a rank
+needs (not even typing): a spawned rank must not pay for the bench's own
+imports, nor a floor's helper grow (see the package's docstring for the
+records a rank writes)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import signal
 import struct
 import sys
 import time
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     # (report FIFO path, bench pid, round id, modules to import, payload, failing rank or -1)
     RankSpec = tuple[str, int, int, tuple[str, ...], bytes, int]
     Record = dict[str, Any]
@@ -21,6 +25,9 @@ if TYPE_CHECKING:
 
 _RECORD = struct.Struct("<iiid")  # round id, rank, kind, time.monotonic() of the event
 ENTERED, EXITED, FAILED = 1, 2, 3
+# A floor's helper sets its pid here (floor._FLOOR_PROGRAM): its ranks,
+# whose release it alone can ask for, end once it is gone.
+floor_helper: int | None = None
 
 
 def rank_main(rank: int, spec: RankSpec) -> None:
@@ -72,11 +79,14 @@ def rank_main(rank: int, spec: RankSpec) -> None:
 
 
 def _wait_for_release(bench_pidfd: int) -> None:
-    """Sleep until SIGUSR1 comes; exit if the bench dies first."""
+    """Sleep until SIGUSR1 comes; exit if the bench (or a floor's helper)
+    dies first."""
     import select
 
     poller = select.poll()
     poller.register(bench_pidfd, select.POLLIN)
     while signal.sigtimedwait([signal.SIGUSR1], 1.0) is None:
         if poller.poll(0):  # the bench's pidfd polls readable once it has exited
+            os._exit(1)
+        if floor_helper is not None and os.getppid() != floor_helper:
             os._exit(1)
