@@ -160,19 +160,19 @@ a bare os.fork() loop when the bench asks over a socketpair, and reaps them.
 t0 is taken before the request, so its round trip counts, as a launch call
 counts for the others.  Its ranks run the same function as every method's
 (they report, wait and exit or fail), but import nothing (--import and
---payload-bytes do not apply), and the failure round SIGKILLs the others.  floor-sized is the same loop in
-a helper the size of a zygote serving a small program (the same modules and
---import's, gc.freeze(), its arenas in huge pages as the zygote's): a fork
-costs more from a bigger process, and this is what one of the zygote's size
-costs.  floor-preforked and floor-preforked-sized are the floor of ready
-workers: the same helpers fork each round's ranks ahead, untimed, each
-waiting on a pipe, and the timed request wakes each with one write.
-fastspawn-zygote-warm forks every rank at launch (its prepare turns ready
-workers off); fastspawn-zygote-ready launches from ready workers (its
-prepare calls fastspawn.prefork(nprocs)); fastspawn-zygote-refilled is the
-second of two same-size launches with no prefork() call (its prepare
-launches once, untimed, and waits for the zygote to make the workers ready
-again in the background).
+--payload-bytes do not apply), and the failure round SIGKILLs the others.
+floor-sized is the same loop in a helper the size of a zygote serving a
+small program (the same modules and --import's, gc.freeze(), its arenas in
+huge pages as the zygote's): a fork costs more from a bigger process, and
+this is what one of the zygote's size costs.  floor-preforked and
+floor-preforked-sized are the floor of ready workers: the same helpers fork
+each round's ranks ahead, untimed, each waiting on a pipe, and the timed
+request wakes each with one write.  fastspawn-zygote-warm forks every rank
+at launch (its prepare turns ready workers off); fastspawn-zygote-ready
+launches from ready workers (its prepare calls fastspawn.prefork(nprocs));
+fastspawn-zygote-refilled is the second of two same-size launches with no
+prefork() call (its prepare launches once, untimed, and waits for the zygote
+to make the workers ready again in the background).
 
 Phases, per round, from t0 just before the launch call:
   created          the launch call returned: start_processes(join=False), the
