@@ -801,3 +801,58 @@ def test_exit_ends_what_multiprocessing_ends(name, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[1, 2] {'a': 1}"], result.stderr
     assert done_file.read_text() == "done"
+
+
+# --- multiprocessing's after-fork callables ----------------------------------
+# multiprocessing.util.register_after_fork: each runs once in a child (the
+# resource sharer's, torch's shared-memory cache's).  fastspawn's forked
+# worker ran them in its set-up and then again in Process._bootstrap.
+
+
+@pytest.fixture
+def after_fork_probe() -> Iterator[Any]:
+    """tests/after_fork_probe.py, imported here (the fork method's parent)
+    and in the zygote; no ready workers but those a test asks for."""
+    import after_fork_probe
+
+    fastspawn.preload(["after_fork_probe"])
+    fastspawn.prefork(0, refill=False)
+    yield after_fork_probe
+    fastspawn.prefork(0)
+
+
+@pytest.mark.parametrize(
+    ("name", "ready"),
+    [("fastspawn", False), ("fastspawn", True), ("fastspawn-fork", False)]
+    + [("fastspawn-forkserver", False), ("fastspawn-spawn", False)],
+)
+def test_after_fork_callables_run_once_in_a_process(after_fork_probe, name, ready):
+    if ready:
+        assert fastspawn.prefork(1, refill=False) == 1
+    context = fastspawn.get_context(name)
+    queue = context.SimpleQueue()
+    try:
+        process = run_process(context, after_fork_probe.runs_in_target, (queue,))
+        assert process.exitcode == 0
+        assert queue.get() == 1
+    finally:
+        queue.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "ready"),
+    [("zygote", False), ("zygote", True), ("fork", False), ("forkserver", False)],
+)
+def test_after_fork_callables_run_once_in_a_rank(after_fork_probe, method, ready):
+    if ready:
+        assert fastspawn.prefork(2, refill=False) == 2
+    ctx = fastspawn.start_processes(after_fork_probe.runs_here, nprocs=2, start_method=method)
+    assert ctx.return_values == {0: 1, 1: 1}
+
+
+def test_after_fork_callables_run_in_a_ranks_own_forked_child(after_fork_probe):
+    # A ready worker ran them ahead of its wake; a child it forks once it is
+    # a rank runs them again, as any forked child does.
+    assert fastspawn.prefork(1, refill=False) == 1
+    ctx = fastspawn.start_processes(after_fork_probe.runs_in_a_forked_rank, nprocs=1)
+    assert ctx.return_values == {0: 1}

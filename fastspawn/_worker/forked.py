@@ -16,6 +16,7 @@ from fastspawn._worker.runner import (
     forget_exit_handlers,
     print_exc,
     run,
+    run_after_forkers,
     set_parent_process,
 )
 from fastspawn._worker.stacks import arm_stacks, disarm_stacks
@@ -27,19 +28,19 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
 
-def _after_fork(rank: int, daemon: bool, after_forkers: bool = True) -> None:
+def _after_fork(rank: int, daemon: bool) -> None:
     """Reset the multiprocessing state a forked worker inherited.
 
     Every step here costs a worker the pages it writes (refcounts, frames):
     the modules come from sys.modules (``from multiprocessing import``
-    runs importlib's Python), the after-fork callables only where there are
-    some, the name without its property: some 10 page copies less a
-    worker, counted with getrusage's minor faults."""
+    runs importlib's Python), the name without its property: some 10 page
+    copies less a worker, counted with getrusage's minor faults.  The
+    after-fork callables run once in a process (run_after_forkers): a ready
+    worker's ran in its rehearsal, ahead of the wake."""
     process = _loaded("multiprocessing.process")
     util = _loaded("multiprocessing.util")
     util._finalizer_registry.clear()
-    if after_forkers and util._afterfork_registry:
-        util._run_after_forkers()
+    run_after_forkers()
     process._children = set()
     current = process._current_process
     current._config["daemon"] = daemon
@@ -221,9 +222,10 @@ def rehearse(spec: ForkSpec, rank: int) -> None:
     the pages this writes are its own before a launch waits for it: a spec
     from the zygote with no state of a caller's, fn doing nothing, a channel
     of the rehearsal's own.  multiprocessing's after-fork callables run
-    once, at the wake."""
+    here, once (see runner.run_after_forkers): at the wake, only those
+    registered since (by the launch's unpickling)."""
     assert spec.payload_error is None, spec.payload_error
-    _set_up_and_run(spec, rank, None, (), after_forkers=False)
+    _set_up_and_run(spec, rank, None, ())
 
 
 def _set_up_and_run(
@@ -231,10 +233,9 @@ def _set_up_and_run(
     rank: int,
     stdio: Sequence[int] | None,
     close_fds: Sequence[int],
-    after_forkers: bool = True,
 ) -> tuple[int, int]:
     """forked_child but its end: (exit code, signal to die by or 0)."""
-    _set_up_forked(spec, rank, stdio, close_fds, after_forkers)
+    _set_up_forked(spec, rank, stdio, close_fds)
     if spec.payload_error is not None:
         error = spec.payload_error.encode("utf-8", "replace")
         _channel.send(spec.tx, rank, _channel.ERROR, error)
@@ -248,7 +249,6 @@ def _set_up_forked(
     rank: int,
     stdio: Sequence[int] | None,
     close_fds: Sequence[int],
-    after_forkers: bool = True,
 ) -> None:
     """A forked worker's process set-up, before its fn runs."""
     if spec.die_with_parent and not spec.parent_death_armed:
@@ -274,7 +274,7 @@ def _set_up_forked(
         os.environ.update(rank_env)
     if spec.match_torch_threads:
         _match_torch_threads()
-    _after_fork(rank, spec.daemon, after_forkers)
+    _after_fork(rank, spec.daemon)
     if not spec.from_zygote:  # the zygote's is the caller already
         set_parent_process(spec.parent)
     if spec.stacks is not None:  # no call otherwise: its pages would be copied

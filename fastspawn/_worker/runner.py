@@ -60,6 +60,38 @@ def exit_during_prepare(rank: int, code: int) -> None:
     raise SystemExit(code)
 
 
+# The keys of multiprocessing's after-fork callables (those of
+# ``multiprocessing.util.register_after_fork``) that ran in this process:
+# each runs once in a process, as in a child of multiprocessing's fork.
+# Emptied at every fork: a child runs them all again.
+_after_forkers_run: set[tuple[Any, ...]] = set()
+os.register_at_fork(after_in_child=_after_forkers_run.clear)
+
+
+def run_after_forkers() -> None:
+    """Run multiprocessing's after-fork callables that have not run in this
+    process yet, in the order they were registered; one that raises is
+    logged (``multiprocessing.util.info``) and the others run, as
+    ``util._run_after_forkers`` does.  Where more than one step of a
+    worker's start would run them (a rank's set-up, then a multiprocessing
+    process's ``_bootstrap``), each still runs once."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return  # nothing imported it: nothing is registered
+    pending = [
+        (key, obj)
+        for key, obj in list(util._afterfork_registry.items())
+        if key not in _after_forkers_run
+    ]
+    pending.sort(key=lambda item: item[0][0])  # the registration's index
+    for key, obj in pending:
+        _after_forkers_run.add(key)
+        try:
+            key[2](obj)
+        except Exception as exc:
+            util.info("after forker raised exception %s", exc)
+
+
 def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, body: bytes) -> None:
     """Send a report on ``tx`` if its fd is still the channel it was when
     the worker started (``channel``: its st_dev, st_ino).  A worker that
