@@ -42,17 +42,24 @@ def _popen_class() -> type[Popen]:
 
 
 def _after_fork() -> None:
-    """What a process's ``_bootstrap`` runs first (``BaseProcess._after_fork``):
-    multiprocessing's finalizers forgotten and its after-fork callables run,
-    each once in a process: a worker forked by fastspawn ran those
-    registered before its set-up (see runner.run_after_forkers), and
-    multiprocessing's own would run them a second time."""
+    """What a forked process's ``_bootstrap`` runs first
+    (``BaseProcess._after_fork``, as multiprocessing's fork and forkserver
+    processes have it): multiprocessing's finalizers forgotten and its
+    after-fork callables run, each once in a process: a worker forked by
+    fastspawn ran those registered before its set-up (see
+    runner.run_after_forkers), and multiprocessing's own would run them a
+    second time."""
     from multiprocessing import util
 
     from fastspawn._worker.runner import run_after_forkers
 
     util._finalizer_registry.clear()  # type: ignore[attr-defined]
     run_after_forkers()
+
+
+def _spawned_after_fork() -> None:
+    """A spawned process's: nothing, as multiprocessing's spawn processes
+    have it (a new interpreter inherited no state to reset)."""
 
 
 def _process_class(method: str) -> type[mp_process.BaseProcess]:
@@ -71,7 +78,7 @@ def _process_class(method: str) -> type[mp_process.BaseProcess]:
             "__module__": __name__,
             "_start_method": names.context_name(method),
             "_Popen": staticmethod(_Popen),
-            "_after_fork": staticmethod(_after_fork),
+            "_after_fork": staticmethod(_spawned_after_fork if method == "spawn" else _after_fork),
         },
     )
     globals()[name] = cls
