@@ -78,7 +78,9 @@ def _process_class(method: str) -> type[mp_process.BaseProcess]:
             "__module__": __name__,
             "_start_method": names.context_name(method),
             "_Popen": staticmethod(_Popen),
-            "_after_fork": staticmethod(_spawned_after_fork if method == "spawn" else _after_fork),
+            "_after_fork": staticmethod(
+                _spawned_after_fork if method in names.SPAWNED else _after_fork
+            ),
         },
     )
     globals()[name] = cls

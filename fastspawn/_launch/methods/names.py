@@ -7,6 +7,9 @@ from __future__ import annotations
 
 BUILTIN = ("zygote", "spawn", "fork", "forkserver")
 DEFAULT = "zygote"
+# Those whose workers are new interpreters, not forks: nothing inherited
+# to reset in them (a multiprocessing Process's _after_fork does nothing).
+SPAWNED = ("spawn",)
 
 
 def context_name(method: str) -> str:
