@@ -822,35 +822,29 @@ def after_fork_probe() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize(
-    ("name", "ready"),
-    [("fastspawn", False), ("fastspawn", True), ("fastspawn-fork", False)]
-    + [("fastspawn-forkserver", False), ("fastspawn-spawn", False)],
+    ("name", "ready", "runs"),
+    [
+        ("fastspawn", False, 1),
+        ("fastspawn", True, 1),
+        ("fastspawn-fork", False, 1),
+        ("fastspawn-forkserver", False, 1),
+        ("fastspawn-spawn", False, 0),
+        # multiprocessing's own, for the counts above (its forkserver's
+        # processes have fork's _after_fork): spawn runs none, a new
+        # interpreter having nothing to reset.
+        ("fork", False, 1),
+        ("spawn", False, 0),
+    ],
 )
-def test_after_fork_callables_run_once_in_a_process(after_fork_probe, name, ready):
+def test_after_fork_callables_run_once_in_a_forked_process(after_fork_probe, name, ready, runs):
     if ready:
         assert fastspawn.prefork(1, refill=False) == 1
-    context = fastspawn.get_context(name)
-    queue = context.SimpleQueue()
-    try:
-        process = run_process(context, after_fork_probe.runs_in_target, (queue,))
-        assert process.exitcode == 0
-        # multiprocessing's spawn runs none: its process imports the probe
-        # (unpickling the target) and nothing resets a new interpreter.
-        assert queue.get() == (0 if name == "fastspawn-spawn" else 1)
-    finally:
-        queue.close()
-
-
-@pytest.mark.parametrize("name", ["fork", "spawn"])
-def test_after_fork_callables_as_multiprocessing_runs_them(after_fork_probe, name):
-    # The counts the test above expects, from multiprocessing's own contexts
-    # (its forkserver's processes have fork's _after_fork).
     context = multiprocessing.get_context(name)
     queue = context.SimpleQueue()
     try:
         process = run_process(context, after_fork_probe.runs_in_target, (queue,))
         assert process.exitcode == 0
-        assert queue.get() == (0 if name == "spawn" else 1)
+        assert queue.get() == runs
     finally:
         queue.close()
 
