@@ -821,6 +821,17 @@ def after_fork_probe() -> Iterator[Any]:
     fastspawn.prefork(0)
 
 
+def _ready_workers(count: int) -> set[int]:
+    """``count`` ready workers made now (none made in the background):
+    their pids."""
+    from fastspawn._zygote import client
+
+    assert fastspawn.prefork(count, refill=False) == count
+    zygote = client.zygote_pid()
+    assert zygote is not None
+    return client.ready_workers(zygote)
+
+
 @pytest.mark.parametrize(
     ("name", "ready", "runs"),
     [
@@ -837,14 +848,14 @@ def after_fork_probe() -> Iterator[Any]:
     ],
 )
 def test_after_fork_callables_run_once_in_a_forked_process(after_fork_probe, name, ready, runs):
-    if ready:
-        assert fastspawn.prefork(1, refill=False) == 1
+    waiting = _ready_workers(1) if ready else set()
     context = multiprocessing.get_context(name)
     queue = context.SimpleQueue()
     try:
         process = run_process(context, after_fork_probe.runs_in_target, (queue,))
         assert process.exitcode == 0
         assert queue.get() == runs
+        assert not ready or process.pid in waiting  # the one made ready took it
     finally:
         queue.close()
 
@@ -854,15 +865,16 @@ def test_after_fork_callables_run_once_in_a_forked_process(after_fork_probe, nam
     [("zygote", False), ("zygote", True), ("fork", False), ("forkserver", False)],
 )
 def test_after_fork_callables_run_once_in_a_rank(after_fork_probe, method, ready):
-    if ready:
-        assert fastspawn.prefork(2, refill=False) == 2
+    waiting = _ready_workers(2) if ready else set()
     ctx = fastspawn.start_processes(after_fork_probe.runs_here, nprocs=2, start_method=method)
     assert ctx.return_values == {0: 1, 1: 1}
+    assert not ready or set(ctx.pids()) == waiting
 
 
 def test_after_fork_callables_run_in_a_ranks_own_forked_child(after_fork_probe):
     # A ready worker ran them ahead of its wake; a child it forks once it is
     # a rank runs them again, as any forked child does.
-    assert fastspawn.prefork(1, refill=False) == 1
+    waiting = _ready_workers(1)
     ctx = fastspawn.start_processes(after_fork_probe.runs_in_a_forked_rank, nprocs=1)
     assert ctx.return_values == {0: 1}
+    assert set(ctx.pids()) == waiting
