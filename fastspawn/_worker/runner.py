@@ -76,14 +76,14 @@ def run_after_forkers() -> None:
     worker's start would run them (a rank's set-up, then a multiprocessing
     process's ``_bootstrap``), each still runs once."""
     util = sys.modules.get("multiprocessing.util")
-    if util is None:
-        return  # nothing imported it: nothing is registered
+    if util is None or not util._afterfork_registry:
+        return  # none registered: the usual case, on every rank's set-up
     pending = [
         (key, obj)
         for key, obj in list(util._afterfork_registry.items())
         if key not in _after_forkers_run
     ]
-    pending.sort(key=lambda item: item[0][0])  # the registration's index
+    pending.sort()  # by key, whose first item (the registration's index) is unique
     for key, obj in pending:
         _after_forkers_run.add(key)
         try:
