@@ -77,6 +77,16 @@ def test_arg_not_picklable_names_it(start_method):
         start(workers.sleep_for, (0, (x for x in [])), start_method=start_method)
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "spawn", "forkserver"])
+def test_arguments_are_pickled_once_per_launch(start_method):
+    # The check that names what cannot be pickled is the pickling that is
+    # sent: a large argument is not pickled twice (its time and memory).
+    workers.CountsPickling.pickled = 0
+    ctx = start(workers.is_counts_pickling, (workers.CountsPickling(),), 2, start_method)
+    assert ctx.return_values == {0: True, 1: True}
+    assert workers.CountsPickling.pickled == 1
+
+
 def test_the_unpicklable_hint_works_when_followed():
     # It says to start the workers with start_processes and "fork": done so,
     # the same function runs.
@@ -213,6 +223,13 @@ def test_large_return_value(start_method):
     ctx = start(workers.big_result, (size,), nprocs=2, start_method=start_method)
     assert ctx.return_values[0] == b"\0" * size
     assert ctx.return_values[1] == b"\1" * size
+
+
+def test_large_argument(start_method):
+    # Over the 64 KiB a payload is read whole up to: read as it is unpickled.
+    arg = bytes(range(256)) * (40 * 1024)
+    ctx = start(workers.total, (arg,), nprocs=2, start_method=start_method)
+    assert ctx.return_values == {0: sum(arg), 1: sum(arg) + 1}
 
 
 def test_large_return_value_join_false(start_method):

@@ -931,3 +931,18 @@ class UnpicklableByWorkers:
 
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return _only_in, (self.pid,)
+
+
+class CountsPickling:
+    """Counts in a class attribute, in the process that pickles it, how
+    often it was pickled."""
+
+    pickled = 0
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        type(self).pickled += 1
+        return CountsPickling, ()
+
+
+def is_counts_pickling(rank: int, obj: Any) -> bool:
+    return isinstance(obj, CountsPickling)

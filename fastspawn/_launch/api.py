@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import operator
 import os
-import pickle
 import signal
 import sys
 import warnings
@@ -23,7 +22,7 @@ from fastspawn._launch.process import Process
 from fastspawn._os import limits as _limits
 from fastspawn._os import oscall
 from fastspawn._wire.channel import Receiver, channel_pair
-from fastspawn._wire.pickling import describe_unpicklable
+from fastspawn._wire.pickling import dumps_work
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 DEFAULT_START_METHOD: StartMethodName = registry.DEFAULT
@@ -286,10 +285,8 @@ def start_processes(
     method = registry.get(start_method)
     checked_envs = _check_envs(envs, nprocs)
     preload_list = _check_preload(preload, method)
-    if method.pickles_arguments:
-        problem = describe_unpicklable(fn, args, method.name)
-        if problem is not None:
-            raise pickle.PicklingError(problem)
+    # Pickled once, here: the check, and what the method sends.
+    work = dumps_work(fn, args, method.name) if method.pickles_arguments else None
     if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
         _context.log.debug("%s=1: fastspawn launches concurrently anyway", ENV_VAR_PARALLEL_START)
 
@@ -310,6 +307,8 @@ def start_processes(
             preload=preload_list,
             stacks=bool(stacks),
         )
+        request.work = work
+        del work  # the method takes it from the request: not kept while joining
         context = launch_context(request, join)
     return context
 

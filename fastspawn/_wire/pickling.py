@@ -127,6 +127,25 @@ def _pickles(obj: Any) -> Exception | None:
     return None
 
 
+def dumps_work(fn: Any, args: Sequence[Any], start_method: str) -> tuple[bytes, list[int]]:
+    """``(fn, args)`` pickled once, as a spawn-like launch sends them, and
+    the fds they carry.
+
+    Raises:
+        pickle.PicklingError: one of them cannot be pickled; the message
+            names which, and what to do (describe_unpicklable, which
+            pickles them again one by one: only on this path).
+    """
+    collector = FdCollector()
+    try:
+        return dumps([(fn, args)], collector), collector.fds
+    except Exception:  # pickling raises many types
+        problem = describe_unpicklable(fn, args, start_method)
+        if problem is None:
+            raise  # they fail together, not one by one: as it is
+    raise pickle.PicklingError(problem)
+
+
 def describe_unpicklable(fn: Any, args: Sequence[Any], start_method: str) -> str | None:
     """Name the first of ``fn`` and ``args`` that cannot be pickled, and
     what to do, or None.  Where it travels by value, the message names the

@@ -75,6 +75,10 @@ class LaunchRequest:
         # watches, and die with that process, not with this one (a
         # multiprocessing process's children outlive it: see fastspawn._mp).
         self.outlive_caller = outlive_caller
+        # (fn, args) as start_processes pickled them once, checking them
+        # (pickling.dumps), and the fds they carry; None: the method
+        # pickles them (common.pickled_work).
+        self.work: tuple[bytes, list[int]] | None = None
         # The process group of the workers (0: none), and while the ranks
         # join it in a fork or spawn launch, its anchor (see
         # common.new_group).

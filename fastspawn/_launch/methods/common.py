@@ -24,6 +24,7 @@ from fastspawn._launch.methods.base import (
 from fastspawn._launch.methods.helpers import forget_groups
 from fastspawn._os import oscall
 from fastspawn._warden import client
+from fastspawn._wire import pickling
 
 
 class ChildrenOfCaller(StartMethod):
@@ -130,13 +131,27 @@ def tracker_fd() -> int | None:
     return fd if isinstance(fd, int) else None
 
 
-def payload_memfd(data: bytes) -> int:
-    """An anonymous, private file holding ``data``: nothing on disk to plant."""
+def pickled_work(req: LaunchRequest) -> tuple[bytes, pickling.FdCollector]:
+    """``(fn, args)`` pickled, as start_processes did already (taken from
+    the request, which a joining launch keeps until its ranks end) or now,
+    and a collector holding the fds they carry (more may be added to it)."""
+    collector = pickling.FdCollector()
+    if req.work is None:
+        return pickling.dumps([(req.fn, req.args)], collector), collector
+    (data, collector.fds), req.work = req.work, None
+    return data, collector
+
+
+def payload_memfd(*chunks: bytes) -> int:
+    """An anonymous, private file holding ``chunks``, one after the other
+    (written as they are: a large argument is not copied once more to join
+    them): nothing on disk to plant."""
     fd = os.memfd_create("fastspawn-payload", os.MFD_CLOEXEC)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        for data in chunks:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)

@@ -45,9 +45,8 @@ class Spawn(common.ChildrenOfCaller):
 
 
 def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> None:
-    collector = pickling.FdCollector()
-    preparation = spawned.preparation_data("fastspawn-worker")
-    payload = pickling.dumps([preparation, (req.fn, req.args)], collector)
+    work, collector = common.pickled_work(req)
+    preparation = pickling.dumps([spawned.preparation_data("fastspawn-worker")], collector)
     tracker = common.tracker_fd()
     argv = [
         sys.executable,
@@ -60,8 +59,8 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
     payload_fd = -1
     try:
         with oscall.held_signals():  # made and recorded, for the finally to close
-            payload_fd = common.payload_memfd(payload)
-        del payload
+            payload_fd = common.payload_memfd(preparation, work)
+        del work
         flags = ["1" if req.daemon else "0", "1" if req.stacks else "0"]
         tail = [str(payload_fd), str(tx.fileno()), *flags, str(tracker or -1)]
         tail.append("1" if stdio.stdout_shows_lines() else "0")

@@ -19,7 +19,6 @@ from fastspawn._launch.methods import common
 from fastspawn._launch.methods.base import LaunchRequest, Started, StartMethod, kill_started
 from fastspawn._launch.methods.helpers import forget_groups
 from fastspawn._os import oscall
-from fastspawn._wire import pickling
 from fastspawn._wire.channel import LaunchFailure, Receiver
 from fastspawn._worker import stdio as worker_stdio
 from fastspawn._zygote import client, link, protocol
@@ -82,8 +81,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient |
     the fds they carry, the ranks' stdio and the caller's.  Returns the
     handle of the zygote that took it."""
     cwd = common.current_dir()
-    collector = pickling.FdCollector()
-    work = pickling.dumps([(req.fn, req.args)], collector)
+    work, collector = common.pickled_work(req)
     tracker = common.tracker_fd()
     tracker_index = None if tracker is None else collector.duplicate_for_child(tracker)
     stdio_slots, stdio_fds = _per_rank_stdio(req)
@@ -112,7 +110,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient |
     payload_fd = -1
     try:
         with oscall.held_signals():  # made and recorded, for the finally to close
-            payload_fd = common.payload_memfd(header.encode() + work)
+            payload_fd = common.payload_memfd(header.encode(), work)
         carried = [*collector.fds, *stdio_fds, *default_stdio]
         try:
             server.send_launch(tx.fileno(), payload_fd, carried)
