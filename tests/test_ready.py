@@ -338,6 +338,27 @@ def test_a_launch_preloading_what_the_zygote_lacks_forks_its_ranks(no_background
 
 
 @pytest.mark.version_neutral
+def test_ranks_of_a_large_argument_are_forked_from_one_unpickling(no_background_refill):
+    """Pickled fn and args over MAX_WAKE_WORK: a launch of several ranks
+    forks them, sharing the zygote's one unpickled copy, where each ready
+    worker would unpickle one of its own; one rank still takes a ready
+    worker, and so do several with a small argument."""
+    from fastspawn._zygote.ready import MAX_WAKE_WORK
+
+    large, small = b"\x01" * (MAX_WAKE_WORK + 1), b"\x01" * 1024
+    ready = prefork(3)
+    forked = fastspawn.start_processes(workers.total, args=(large,), nprocs=2)
+    assert forked.return_values == {0: len(large), 1: len(large) + 1}
+    assert not set(forked.pids()) & ready
+    one = fastspawn.start_processes(workers.total, args=(large,), nprocs=1)
+    assert one.return_values == {0: len(large)}
+    assert set(one.pids()) < ready
+    two = fastspawn.start_processes(workers.total, args=(small,), nprocs=2)
+    assert two.return_values == {0: len(small), 1: len(small) + 1}
+    assert set(two.pids()) <= ready - set(one.pids())
+
+
+@pytest.mark.version_neutral
 def test_preload_retires_the_ready_workers(no_background_refill):
     ready = prefork(2)
     fastspawn.preload(["tabnanny"])

@@ -82,6 +82,13 @@ REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
 # and this long more per rank (seconds).
 QUIET_AFTER_LAUNCH = 0.01
 QUIET_PER_RANK = 0.002
+# A launch of several ranks whose pickled fn and args are larger than this
+# is forked: the zygote unpickles them once and its ranks share that copy,
+# where each ready worker would unpickle one of its own (a 64 MiB argument,
+# 8 ranks: 481-518 ms and 528 MiB of ranks from ready workers, 216 ms and
+# 9.2 MiB forked; 1 MiB: about even in time, 2.9 MiB more per rank; 256 KiB:
+# twice as fast from ready workers; Intel Xeon, docs/performance.md).
+MAX_WAKE_WORK = 512 << 10
 
 
 def cap_from_environment(environ: dict[str, str] | os._Environ[str]) -> int:
@@ -413,13 +420,15 @@ class ReadyPool:
             return None
         return copies
 
-    def usable_for(self, header: protocol.LaunchHeader) -> bool:
+    def usable_for(self, header: protocol.LaunchHeader, work_size: int) -> bool:
         """Whether a launch may take ready workers: forked ranks, the fds
-        for one message, and no RLIMIT_NPROC of the caller's own (see
-        :func:`own_nproc`)."""
+        for one message, fn and args (``work_size`` bytes pickled) small
+        enough to unpickle in each (MAX_WAKE_WORK) unless it has one rank,
+        and no RLIMIT_NPROC of the caller's own (see :func:`own_nproc`)."""
         return (
             bool(self.waiting)
             and header.binary is None
+            and (header.nprocs == 1 or work_size <= MAX_WAKE_WORK)
             and header.user_fds + 6 <= _channel.MAX_FDS
             and not own_nproc(header)
         )

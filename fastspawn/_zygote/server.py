@@ -5,7 +5,6 @@ time spent collapsing memory into huge pages and making workers ready."""
 from __future__ import annotations
 
 import gc
-import io
 import os
 import pickle
 import select
@@ -39,7 +38,7 @@ from fastspawn._zygote.signals import Signals, terminating
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import IO, Any
 
 
 _READY_COUNT = struct.Struct("=i")  # prefork's answer
@@ -293,8 +292,9 @@ class Zygote:
                 pids, after = self.start_ranks(
                     header, payload, (fds[1], header_size), carried, launch
                 )
-            finally:
+            except BaseException:
                 os.close(fds[1])
+                raise
             try:
                 if not launch.pids_said:  # (a multiprocessing process's, said early)
                     send_pidfds(launch, pids)
@@ -314,7 +314,7 @@ class Zygote:
     def start_ranks(
         self,
         header: protocol.LaunchHeader,
-        payload: io.BytesIO,
+        payload: IO[bytes],
         payload_file: tuple[int, int],
         carried: list[int],
         launch: Launch,
@@ -329,7 +329,8 @@ class Zygote:
         stdio = LaunchStdio(header, carried[header.user_fds :])
         # Ready workers unpickle for themselves, with dups of the
         # arguments' fds: prepare() closes ours.
-        wake_fds = self.ready.dup_fds(user_fds) if self.ready.usable_for(header) else None
+        usable = self.ready.usable_for(header, os.fstat(payload_fd).st_size - offset)
+        wake_fds = self.ready.dup_fds(user_fds) if usable else None
         prepared: list[tuple[Any, Any, str | None]] = []
 
         def prepare() -> tuple[Any, Any, str | None]:
@@ -380,7 +381,10 @@ class Zygote:
             self.keep_links(pids, links)
 
         def after() -> None:
-            prepare()  # if the ready workers took every rank: for those made later
+            try:
+                prepare()  # if the ready workers took every rank: for those made later
+            finally:
+                os.close(payload_fd)  # read as prepare() unpickles: closed after
             prepared.clear()  # fn and args
             release_tracker()  # the workers hold the caller's tracker now
             # Arguments in a reference cycle (an object that refers to
@@ -400,7 +404,7 @@ class Zygote:
     def prepare(
         self,
         header: protocol.LaunchHeader,
-        payload: io.BytesIO,
+        payload: IO[bytes],
         user_fds: list[int],
         tx: socket.socket,
     ) -> tuple[Any, Any, str | None]:
