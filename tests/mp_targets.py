@@ -73,7 +73,7 @@ def half_a_launch() -> None:
     import pickle
     import socket
 
-    from fastspawn._launch.methods import common
+    from fastspawn._wire import payload as wire_payload
     from fastspawn._zygote import client, protocol
 
     header = protocol.LaunchHeader(
@@ -91,7 +91,9 @@ def half_a_launch() -> None:
         stdio_slots=[],
         default_stdio=0,
     )
-    payload = common.payload_memfd(header.encode() + pickle.dumps((noop, ())))
+    payload = wire_payload.new_memfd()
+    os.write(payload, pickle.dumps((noop, ())))
+    wire_payload.append_trailer(payload, header.encode())
     channel, _peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     launch = protocol.ControlMessage(protocol.LAUNCH)
     client.get_server().send(launch, [channel.fileno(), payload])

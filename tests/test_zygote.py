@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from helpers import alive_after, gone, kill_driver, run_script
 
 import fastspawn
 from fastspawn._os import hugepages
+from fastspawn._wire import payload as wire_payload
+from fastspawn._wire import pickling
 from fastspawn._zygote import client, protocol
 from fastspawn._zygote import server as zygote_server
 from fastspawn._zygote.launch import environ_is
@@ -312,6 +315,28 @@ def test_one_message_per_launch(monkeypatch):
     ctx = fastspawn.start_processes(workers.succeed, nprocs=32)
     assert ctx.return_values == {rank: rank for rank in range(32)}
     assert sent == [protocol.LAUNCH]
+
+
+@pytest.mark.parametrize("size", [10, 200_000])
+def test_a_payload_is_read_from_its_start_and_its_trailer_alone(size):
+    # fn and args from the memfd's start, the header as their trailer: read
+    # whole up to 64 KiB, as unpickled above that, never moving the offset
+    # the memfd's other holders share.
+    fd = wire_payload.new_memfd()
+    try:
+        work = (len, (b"w" * size,))
+        wire_payload.write_work(fd, [work], pickling.FdCollector())
+        wire_payload.append_trailer(fd, pickle.dumps({"header": size}))
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        with wire_payload.read_payload(fd, keep_open=True) as payload:
+            assert wire_payload.read_trailer(payload)[0] == {"header": size}
+            assert pickle.load(payload) == work
+            work_size = payload.tell()
+        with wire_payload.read_payload(fd, keep_open=True) as payload:
+            assert wire_payload.read_trailer(payload)[1] == work_size
+        assert os.lseek(fd, 0, os.SEEK_CUR) == end
+    finally:
+        os.close(fd)  # keep_open: still open here, or this raises
 
 
 def test_workers_are_children_of_the_zygote_and_thread_free():

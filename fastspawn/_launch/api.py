@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import operator
 import os
+import pickle
 import signal
 import sys
 import warnings
@@ -15,14 +16,14 @@ from fastspawn._launch import context as _context
 from fastspawn._launch import exiting
 from fastspawn._launch.context import ProcessContext
 from fastspawn._launch.errors import ProcessExitedException, ProcessRaisedException
-from fastspawn._launch.methods import base, helpers, registry
+from fastspawn._launch.methods import base, common, helpers, registry
 from fastspawn._launch.methods.base import StartMethod
 from fastspawn._launch.methods.registry import StartMethodName
 from fastspawn._launch.process import Process
 from fastspawn._os import limits as _limits
 from fastspawn._os import oscall
 from fastspawn._wire.channel import Receiver, channel_pair
-from fastspawn._wire.pickling import dumps_work
+from fastspawn._wire.pickling import describe_unpicklable
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 DEFAULT_START_METHOD: StartMethodName = registry.DEFAULT
@@ -285,32 +286,51 @@ def start_processes(
     method = registry.get(start_method)
     checked_envs = _check_envs(envs, nprocs)
     preload_list = _check_preload(preload, method)
-    # Pickled once, here: the check, and what the method sends.
-    work = dumps_work(fn, args, method.name) if method.pickles_arguments else None
-    if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
-        _context.log.debug("%s=1: fastspawn launches concurrently anyway", ENV_VAR_PARALLEL_START)
+    request = base.LaunchRequest(
+        fn=fn,
+        args=args,
+        nprocs=nprocs,
+        daemon=bool(daemon),
+        method=method,
+        envs=checked_envs,
+        preload=preload_list,
+        stacks=bool(stacks),
+    )
+    try:
+        if method.pickles_arguments:
+            _pickle_once(request)
+        if os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
+            _context.log.debug(
+                "%s=1: fastspawn launches concurrently anyway", ENV_VAR_PARALLEL_START
+            )
+        if nprocs == 0:
+            # torch starts nothing and returns (spawn(fn, nprocs=device_count())
+            # on a machine without GPUs, say): an empty context.
+            rx_sock, tx = channel_pair()
+            tx.close()
+            return ProcessContext([], Receiver(rx_sock), daemon=bool(daemon))
+        return launch_context(request, join)
+    finally:
+        common.discard_work(request)  # sent, or never: closed either way
 
-    if nprocs == 0:
-        # torch starts nothing and returns (spawn(fn, nprocs=device_count())
-        # on a machine without GPUs, say): an empty context.
-        rx_sock, tx = channel_pair()
-        tx.close()
-        context = ProcessContext([], Receiver(rx_sock), daemon=bool(daemon))
-    else:
-        request = base.LaunchRequest(
-            fn=fn,
-            args=args,
-            nprocs=nprocs,
-            daemon=bool(daemon),
-            method=method,
-            envs=checked_envs,
-            preload=preload_list,
-            stacks=bool(stacks),
-        )
-        request.work = work
-        del work  # the method takes it from the request: not kept while joining
-        context = launch_context(request, join)
-    return context
+
+def _pickle_once(request: base.LaunchRequest) -> None:
+    """Pickle fn and args for the method to send (common.pickle_work): the
+    check that they pickle, done once.
+
+    Raises:
+        pickle.PicklingError: one of them cannot be pickled; the message
+            names which, and what to do (describe_unpicklable, which
+            pickles them again one by one: only on this path).
+    """
+    try:
+        common.pickle_work(request)
+        return
+    except Exception:  # pickling raises many types
+        problem = describe_unpicklable(request.fn, request.args, request.method.name)
+        if problem is None:
+            raise  # they fail together, not one by one: as it is
+    raise pickle.PicklingError(problem)
 
 
 def spawn(

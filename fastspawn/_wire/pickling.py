@@ -29,7 +29,7 @@ from types import FunctionType
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import IO, Any
 
 # The fds the current process received from its launcher, by index.  Set in
 # the child before it unpickles its payload.
@@ -96,25 +96,30 @@ def main_is_importable() -> bool:
     return stem != "ipython" and os.path.isfile(path)
 
 
-def dumps(objects: Sequence[Any], collector: FdCollector) -> bytes:
-    """Pickle ``objects`` one after the other into one buffer; by value what
+def dump(objects: Sequence[Any], collector: FdCollector, file: IO[bytes]) -> None:
+    """Pickle ``objects`` one after the other into ``file``; by value what
     a ``__main__`` the workers cannot import defines (main_is_importable)."""
-    pickler: Callable[[io.BytesIO, int], pickle.Pickler]
+    pickler: Callable[[IO[bytes], int], pickle.Pickler]
     if main_is_importable():
         pickler = reduction.ForkingPickler
     else:
         from fastspawn._wire import by_value  # cloudpickle: only here
 
         pickler = by_value.Pickler
-    buf = io.BytesIO()
     previous = mp_context.get_spawning_popen()
     # multiprocessing only duck-types this object (duplicate_for_child, DupFd).
     mp_context.set_spawning_popen(collector)  # type: ignore[arg-type]
     try:
         for obj in objects:
-            pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+            pickler(file, pickle.HIGHEST_PROTOCOL).dump(obj)
     finally:
         mp_context.set_spawning_popen(previous)
+
+
+def dumps(objects: Sequence[Any], collector: FdCollector) -> bytes:
+    """``dump`` into one buffer."""
+    buf = io.BytesIO()
+    dump(objects, collector, buf)
     return buf.getvalue()
 
 
@@ -125,25 +130,6 @@ def _pickles(obj: Any) -> Exception | None:
     except Exception as exc:  # pickling raises many types
         return exc
     return None
-
-
-def dumps_work(fn: Any, args: Sequence[Any], start_method: str) -> tuple[bytes, list[int]]:
-    """``(fn, args)`` pickled once, as a spawn-like launch sends them, and
-    the fds they carry.
-
-    Raises:
-        pickle.PicklingError: one of them cannot be pickled; the message
-            names which, and what to do (describe_unpicklable, which
-            pickles them again one by one: only on this path).
-    """
-    collector = FdCollector()
-    try:
-        return dumps([(fn, args)], collector), collector.fds
-    except Exception:  # pickling raises many types
-        problem = describe_unpicklable(fn, args, start_method)
-        if problem is None:
-            raise  # they fail together, not one by one: as it is
-    raise pickle.PicklingError(problem)
 
 
 def describe_unpicklable(fn: Any, args: Sequence[Any], start_method: str) -> str | None:

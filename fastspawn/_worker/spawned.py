@@ -4,7 +4,6 @@ spawn children are (the zygote prepares the same way)."""
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import socket
@@ -12,6 +11,7 @@ import sys
 
 from fastspawn._os.held import import_held
 from fastspawn._wire import channel as _channel
+from fastspawn._wire import payload as wire_payload
 from fastspawn._wire import pickling
 from fastspawn._worker.runner import finish, format_exc, print_exc, run, set_parent_process
 from fastspawn._worker.stacks import arm_stacks
@@ -20,7 +20,7 @@ from fastspawn._worker.stdio import line_buffer_stdout, quiet_stdin, whole_lines
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Mapping
-    from typing import IO, Any, NoReturn
+    from typing import Any, NoReturn
 
 
 # Linux's limit on one string exec passes (MAX_ARG_STRLEN, 32 pages), its
@@ -110,66 +110,6 @@ def prepare(preparation: dict[str, Any]) -> None:
         current._inheriting = False  # type: ignore[attr-defined]
 
 
-READ_WHOLE = 1 << 16
-
-
-class _PayloadFile(io.RawIOBase):
-    """A payload memfd read at an offset of its own, with pread: every
-    holder of the memfd shares its file offset."""
-
-    def __init__(self, fd: int, closefd: bool) -> None:
-        super().__init__()
-        self._fd = fd
-        self._closefd = closefd
-        self._offset = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        count = os.preadv(self._fd, [buffer], self._offset)
-        self._offset += count
-        return count
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        if whence == os.SEEK_CUR:
-            offset += self._offset
-        elif whence == os.SEEK_END:
-            offset += os.fstat(self._fd).st_size
-        self._offset = offset
-        return offset
-
-    def tell(self) -> int:
-        return self._offset
-
-    def close(self) -> None:
-        if not self.closed and self._closefd:
-            os.close(self._fd)
-        super().close()
-
-
-def read_payload(fd: int, keep_open: bool = False) -> IO[bytes]:
-    """The payload memfd as a file, never moving the memfd's offset (which
-    its other holders share).  Up to 64 KiB (a launch's header and a small
-    fn and args) it is read whole, at once; a larger one is read as it is
-    unpickled, so that a large argument goes from the memfd into its
-    unpickled object, not through a copy of the whole payload first.
-    Closing it closes ``fd`` unless ``keep_open``: then the caller does,
-    after its last read."""
-    size = os.fstat(fd).st_size
-    if size > READ_WHOLE:
-        return io.BufferedReader(_PayloadFile(fd, not keep_open), buffer_size=READ_WHOLE)
-    try:
-        data = os.pread(fd, size, 0)
-    finally:
-        if not keep_open:
-            os.close(fd)
-    return io.BytesIO(data)
-
-
 def spawn_main() -> NoReturn:
     """Entry of a spawned worker (a fresh interpreter); never returns.
 
@@ -196,7 +136,7 @@ def spawn_main() -> NoReturn:
         quiet_stdin()
         # Every rank shares one payload file description, hence one offset:
         # read it with pread, never with read.
-        with read_payload(payload_fd) as payload:
+        with wire_payload.read_payload(payload_fd) as payload:
             from multiprocessing import process
 
             if tracker_fd >= 0:
@@ -204,7 +144,7 @@ def spawn_main() -> NoReturn:
 
                 resource_tracker._resource_tracker._fd = tracker_fd  # type: ignore[attr-defined]
             try:
-                preparation = pickle.load(payload)
+                preparation, _work_size = wire_payload.read_trailer(payload)
                 prepare(preparation)
                 process.current_process()._config["daemon"] = daemon  # type: ignore[attr-defined]
                 set_parent_process(os.getppid())

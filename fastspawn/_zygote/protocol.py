@@ -9,9 +9,9 @@ The control socket (SOCK_SEQPACKET, one message a datagram) carries:
   the launch's report channel, its payload memfd, then as many of the
   launch's other fds as fit) and FDS (the launch's fds that did not fit in
   its LAUNCH, MAX_FDS a message, straight after it).
-A launch's LaunchHeader travels first in its payload memfd, not on the
-socket, whose messages are capped (~200 KB, which a large environment or
-per-rank envs exceed); fn and args follow it there.
+A launch's LaunchHeader travels in its payload memfd, not on the socket,
+whose messages are capped (~200 KB, which a large environment or per-rank
+envs exceed): after fn and args, as their trailer (fastspawn._wire.payload).
 
 Only plain data is unpickled from the socket and the header (no import, no
 fd); the socket is an inherited socketpair that no other process can reach.
@@ -20,6 +20,8 @@ fd); the socket is an inherited socketpair that no other process can reach.
 from __future__ import annotations
 
 import pickle
+
+from fastspawn._wire import payload as wire_payload
 
 TYPE_CHECKING = False  # not typing's: the zygote, and so each worker, carries every import
 if TYPE_CHECKING:
@@ -211,8 +213,9 @@ class LaunchHeader:
         )
 
     @classmethod
-    def decode(cls, payload: IO[bytes]) -> LaunchHeader:
-        """Read a header from the start of a payload file, leaving the file
-        at what follows it (fn and args)."""
-        values = pickle.load(payload)
-        return cls(**dict(zip(cls.__slots__, values, strict=True)))
+    def decode(cls, payload: IO[bytes]) -> tuple[LaunchHeader, int]:
+        """Read a header from a payload file's trailer (it follows fn and
+        args: fastspawn._wire.payload): the header, and the size of the
+        pickled fn and args, at the start of which the file is left."""
+        values, work_size = wire_payload.read_trailer(payload)
+        return cls(**dict(zip(cls.__slots__, values, strict=True))), work_size

@@ -402,7 +402,7 @@ class ReadyPool:
         sent, flags = ranks.fds_of(rank)
         flags |= SAME_STATE if same else 0
         taken = time.monotonic_ns()  # before its pid can reach the caller
-        head = ASSIGN.pack(rank, len(ranks.fds[2]), flags, ranks.offset, len(ranks.brief), taken)
+        head = ASSIGN.pack(rank, len(ranks.fds[2]), flags, len(ranks.brief), taken)
         return pid, ours, [head + ranks.brief + own_env], sent
 
     @staticmethod
@@ -473,7 +473,7 @@ class ReadyPool:
 
 class Ranks:
     """What the assignments of one launch's ranks are made of: its header;
-    where fn and args start in its payload (``offset``); its channel, its
+    its channel, its
     payload and the fds its arguments carry (``fds``); its stdio and links;
     whether the zygote holds the caller's environment, cwd and sys.path now
     (``same_state``: launch.holds_caller_state); its Brief, pickled once."""
@@ -481,14 +481,12 @@ class Ranks:
     def __init__(
         self,
         header: protocol.LaunchHeader,
-        offset: int,
         fds: tuple[int, int, Sequence[int]],
         stdio: LaunchStdio,
         links: Sequence[socket.socket],
         same_state: bool,
     ) -> None:
         self.header = header
-        self.offset = offset
         self.fds = fds
         self.stdio = stdio
         self.links = links

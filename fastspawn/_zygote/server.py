@@ -18,9 +18,9 @@ import traceback
 from fastspawn._os import hugepages, oscall, procstate
 from fastspawn._os.children import children_of, kill_children
 from fastspawn._wire import channel as _channel
+from fastspawn._wire import payload as wire_payload
 from fastspawn._wire import pickling
 from fastspawn._worker import runner
-from fastspawn._worker import spawned as worker_spawned
 from fastspawn._zygote import protocol
 from fastspawn._zygote.forking import Forker
 from fastspawn._zygote.launch import (
@@ -251,16 +251,15 @@ class Zygote:
 
     def launch(self, control: socket.socket, fds: list[int]) -> None:
         """One launch: ``fds`` are its report channel, its payload memfd
-        (the launch's header, then fn and args), then the fds the arguments
+        (fn and args, then the launch's header), then the fds the arguments
         carry and the ranks' stdio fds, those that did not fit following in
         messages of their own."""
         tx = socket.socket(fileno=fds[0])
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
         # The memfd stays open for the ready workers, which read it too.
-        payload = worker_spawned.read_payload(fds[1], keep_open=True)
-        header = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
-        header_size = payload.tell()
+        payload = wire_payload.read_payload(fds[1], keep_open=True)
+        header, work_size = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
         self.ready.launched(header.nprocs)
         launch = Launch(tx, header.nprocs, header.mp_process)
         # Forked ranks are made ready again once they end, unless their
@@ -290,7 +289,7 @@ class Zygote:
                 return
             try:
                 pids, after = self.start_ranks(
-                    header, payload, (fds[1], header_size), carried, launch
+                    header, payload, (fds[1], work_size), carried, launch
                 )
             except BaseException:
                 os.close(fds[1])
@@ -321,15 +320,15 @@ class Zygote:
     ) -> tuple[list[int], Callable[[], None]]:
         """Take on the caller's state and start a launch's ranks (``carried``:
         all its fds beside the channel and payload; ``payload_file``: the
-        payload's fd, and where fn and args start in it): their pids (none
+        payload's fd, and the size of the pickled fn and args): their pids (none
         when the launch failed, which is reported on its channel), and what
         is left to do once the caller has them."""
-        payload_fd, offset = payload_file
+        payload_fd, work_size = payload_file
         user_fds = carried[: header.user_fds]
         stdio = LaunchStdio(header, carried[header.user_fds :])
         # Ready workers unpickle for themselves, with dups of the
         # arguments' fds: prepare() closes ours.
-        usable = self.ready.usable_for(header, os.fstat(payload_fd).st_size - offset)
+        usable = self.ready.usable_for(header, work_size)
         wake_fds = self.ready.dup_fds(user_fds) if usable else None
         prepared: list[tuple[Any, Any, str | None]] = []
 
@@ -360,7 +359,7 @@ class Zygote:
                 fds = (launch.tx.fileno(), payload_fd, wake_fds)
                 # Once prepare() ran, the zygote holds the caller's state.
                 same_state = bool(prepared) or holds_caller_state(header)
-                ranks = Ranks(header, offset, fds, stdio, links, same_state)
+                ranks = Ranks(header, fds, stdio, links, same_state)
                 # A multiprocessing process's start() returns with its pid:
                 # the caller has it before the worker is woken.
                 return self.ready.wake(ranks, group, tell_pids if header.mp_process else None)

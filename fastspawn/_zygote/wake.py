@@ -31,10 +31,10 @@ import weakref
 
 from fastspawn._os import oscall
 from fastspawn._wire import channel as _channel
+from fastspawn._wire import payload as wire_payload
 from fastspawn._wire import pickling
 from fastspawn._worker import forked as worker_forked
 from fastspawn._worker import runner
-from fastspawn._worker import spawned as worker_spawned
 from fastspawn._worker import stacks as worker_stacks
 from fastspawn._worker import stdio as worker_stdio
 from fastspawn._zygote import link, protocol
@@ -50,12 +50,11 @@ if TYPE_CHECKING:
 _setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal
 
 # A rank's assignment: the rank, how many of the fds its arguments carry,
-# which optional fds follow those, where fn and args start in the payload,
-# the length of the launch's Brief, when the zygote took the worker (its
-# CLOCK_MONOTONIC, ns: see _note_interrupt); then the Brief and, if the
-# launch has per-rank environments, the rank's (pickled).  MAX_ASSIGN at
-# most.
-ASSIGN = struct.Struct("=iiBIIq")
+# which optional fds follow those, the length of the launch's Brief, when
+# the zygote took the worker (its CLOCK_MONOTONIC, ns: see
+# _note_interrupt); then the Brief and, if the launch has per-rank
+# environments, the rank's (pickled).  MAX_ASSIGN at most.
+ASSIGN = struct.Struct("=iiBIq")
 MAX_ASSIGN = 65536
 OUT, ERR, IN, LINK = 1, 2, 4, 8
 # The worker was forked with the caller's environment, cwd and sys.path as
@@ -198,7 +197,7 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
     )
     encoded = header.encode()
     brief = Brief(header).encode()
-    work = encoded + pickle.dumps((_noop, ()), pickle.HIGHEST_PROTOCOL)
+    work = pickle.dumps((_noop, ()), pickle.HIGHEST_PROTOCOL)
     for flags in (0, SAME_STATE):
         # The assignment as the zygote sends it, with the launch's channel
         # (its far end read by nobody) and payload, received as at the wake.
@@ -208,7 +207,8 @@ def _warm_up(zygote: int, stacks_fd: int) -> None:
             memfd = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
             try:
                 os.write(memfd, work)
-                message = ASSIGN.pack(-1, 0, flags, len(encoded), len(brief), 0) + brief
+                wire_payload.append_trailer(memfd, encoded)
+                message = ASSIGN.pack(-1, 0, flags, len(brief), 0) + brief
                 socket.send_fds(ours, [message], [channel.fileno(), memfd])
             finally:
                 os.close(memfd)
@@ -305,13 +305,13 @@ def _prepare(
     """Read the assignment ``message`` (and its ``fds``, taken over), do
     what Zygote.launch and Forker.fork_ranks do for a forked rank: (rank,
     the rank's spec, its stdio fds or None, its link's fd or None)."""
-    rank, user_count, flags, offset, brief_size, _taken = ASSIGN.unpack_from(message)
+    rank, user_count, flags, brief_size, _taken = ASSIGN.unpack_from(message)
     brief: Brief = pickle.loads(message[ASSIGN.size : ASSIGN.size + brief_size])
     own_env = message[ASSIGN.size + brief_size :]
     env = pickle.loads(own_env) if own_env else None
     brief.envs = {rank: env} if env else {}
     tx = socket.socket(fileno=fds[0])
-    payload = worker_spawned.read_payload(fds[1])
+    payload = wire_payload.read_payload(fds[1])
     extra = iter(fds[2 + user_count :])
     out = next(extra) if flags & OUT else -1
     err = next(extra) if flags & ERR else -1
@@ -320,10 +320,9 @@ def _prepare(
     if flags & SAME_STATE:
         # The caller's environment, cwd and sys.path are those this worker
         # was forked with (the zygote's since): no need to read them.
-        payload.seek(offset)
         header = None
     else:
-        header = protocol.LaunchHeader.decode(payload)
+        header, _work_size = protocol.LaunchHeader.decode(payload)
     fn, args, payload_error = _unpickle(header, brief, payload, fds[2 : 2 + user_count])
     _stacks_for(rank, brief.stacks, stacks_fd)
     spec = worker_forked.ForkSpec(

@@ -75,10 +75,11 @@ class LaunchRequest:
         # watches, and die with that process, not with this one (a
         # multiprocessing process's children outlive it: see fastspawn._mp).
         self.outlive_caller = outlive_caller
-        # (fn, args) as start_processes pickled them once, checking them
-        # (pickling.dumps), and the fds they carry; None: the method
-        # pickles them (common.pickled_work).
-        self.work: tuple[bytes, list[int]] | None = None
+        # The payload memfd with (fn, args) pickled, and the fds they carry:
+        # made by start_processes, which pickles them once, as its check
+        # (common.pickle_work), or by the method; closed by
+        # common.discard_work once sent.
+        self.work: tuple[int, list[int]] | None = None
         # The process group of the workers (0: none), and while the ranks
         # join it in a fork or spawn launch, its anchor (see
         # common.new_group).

@@ -24,7 +24,7 @@ from fastspawn._launch.methods.base import (
 from fastspawn._launch.methods.helpers import forget_groups
 from fastspawn._os import oscall
 from fastspawn._warden import client
-from fastspawn._wire import pickling
+from fastspawn._wire import payload, pickling
 
 
 class ChildrenOfCaller(StartMethod):
@@ -131,32 +131,31 @@ def tracker_fd() -> int | None:
     return fd if isinstance(fd, int) else None
 
 
-def pickled_work(req: LaunchRequest) -> tuple[bytes, pickling.FdCollector]:
-    """``(fn, args)`` pickled, as start_processes did already (taken from
-    the request, which a joining launch keeps until its ranks end) or now,
-    and a collector holding the fds they carry (more may be added to it)."""
+def pickle_work(req: LaunchRequest) -> tuple[int, list[int]]:
+    """Pickle ``(fn, args)`` into a new payload memfd: ``req.work`` (see
+    fastspawn._wire.payload), which holds it from its making on, for
+    discard_work to close on every way out; returned too.  On failure
+    nothing is kept and the error is raised as pickling raised it."""
+    with oscall.held_signals():  # made and recorded
+        fd = payload.new_memfd()
+        req.work = (fd, [])
     collector = pickling.FdCollector()
-    if req.work is None:
-        return pickling.dumps([(req.fn, req.args)], collector), collector
-    (data, collector.fds), req.work = req.work, None
-    return data, collector
-
-
-def payload_memfd(*chunks: bytes) -> int:
-    """An anonymous, private file holding ``chunks``, one after the other
-    (written as they are: a large argument is not copied once more to join
-    them): nothing on disk to plant."""
-    fd = os.memfd_create("fastspawn-payload", os.MFD_CLOEXEC)
     try:
-        for data in chunks:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)
+        payload.write_work(fd, [(req.fn, req.args)], collector)
     except BaseException:
-        os.close(fd)
+        discard_work(req)
         raise
-    return fd
+    req.work = (fd, collector.fds)
+    return req.work
+
+
+def discard_work(req: LaunchRequest) -> None:
+    """Close the request's payload memfd, if it has one (the workers, the
+    zygote, hold their own)."""
+    with oscall.held_signals():  # closed and forgotten
+        if req.work is not None:
+            os.close(req.work[0])
+            req.work = None
 
 
 def current_dir() -> str:

@@ -18,7 +18,7 @@ from fastspawn._launch.methods import base, common
 from fastspawn._launch.methods.base import LaunchRequest, Started
 from fastspawn._os import oscall
 from fastspawn._os.launcher_thread import on_launcher_thread
-from fastspawn._wire import pickling
+from fastspawn._wire import payload, pickling
 from fastspawn._wire.channel import Receiver
 from fastspawn._worker import runner, spawned, stdio
 
@@ -45,27 +45,24 @@ class Spawn(common.ChildrenOfCaller):
 
 
 def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> None:
-    work, collector = common.pickled_work(req)
-    preparation = pickling.dumps([spawned.preparation_data("fastspawn-worker")], collector)
-    tracker = common.tracker_fd()
-    argv = [
-        sys.executable,
-        *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-        "-c",
-        _ENTRY,
-    ]
-    base_env = dict(os.environ)
-    runner.flush_std_streams()
-    payload_fd = -1
+    payload_fd, user_fds = req.work or common.pickle_work(req)
     try:
-        with oscall.held_signals():  # made and recorded, for the finally to close
-            payload_fd = common.payload_memfd(preparation, work)
-        del work
+        preparation = spawned.preparation_data("fastspawn-worker")
+        payload.append_trailer(payload_fd, pickling.dumps([preparation], pickling.FdCollector()))
+        tracker = common.tracker_fd()
+        argv = [
+            sys.executable,
+            *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+            "-c",
+            _ENTRY,
+        ]
+        base_env = dict(os.environ)
+        runner.flush_std_streams()
         flags = ["1" if req.daemon else "0", "1" if req.stacks else "0"]
         tail = [str(payload_fd), str(tx.fileno()), *flags, str(tracker or -1)]
         tail.append("1" if stdio.stdout_shows_lines() else "0")
-        tail += [str(fd) for fd in collector.fds]
-        keep = [payload_fd, tx.fileno(), *collector.fds]
+        tail += [str(fd) for fd in user_fds]
+        keep = [payload_fd, tx.fileno(), *user_fds]
         keep += [tracker] if tracker is not None else []
         with common.launch_group(req, started) as group:
             for rank in range(req.nprocs):
@@ -87,8 +84,7 @@ def _spawn_ranks(req: LaunchRequest, tx: socket.socket, started: Started) -> Non
                     if rank == req.nprocs - 1:
                         base.release_anchor(req)  # here, with the signals still held
     finally:
-        if payload_fd >= 0:
-            os.close(payload_fd)
+        common.discard_work(req)
 
 
 METHOD = Spawn()

@@ -19,6 +19,7 @@ from fastspawn._launch.methods import common
 from fastspawn._launch.methods.base import LaunchRequest, Started, StartMethod, kill_started
 from fastspawn._launch.methods.helpers import forget_groups
 from fastspawn._os import oscall
+from fastspawn._wire import payload
 from fastspawn._wire.channel import LaunchFailure, Receiver
 from fastspawn._worker import stdio as worker_stdio
 from fastspawn._zygote import client, link, protocol
@@ -77,41 +78,44 @@ def _per_rank_stdio(req: LaunchRequest) -> tuple[list[tuple[int, int]], list[int
 
 def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient | link.RootLink:
     """Send the launch to the zygote (started if need be, and once more if
-    it died meanwhile): the header and the pickled fn and args in a memfd,
-    the fds they carry, the ranks' stdio and the caller's.  Returns the
-    handle of the zygote that took it."""
+    it died meanwhile): the pickled fn and args in a memfd, then the
+    launch's header; the fds they carry, the ranks' stdio and the caller's.
+    Returns the handle of the zygote that took it."""
     cwd = common.current_dir()
-    work, collector = common.pickled_work(req)
-    tracker = common.tracker_fd()
-    tracker_index = None if tracker is None else collector.duplicate_for_child(tracker)
-    stdio_slots, stdio_fds = _per_rank_stdio(req)
-    server = client.get_server()
-    default_stdio, opened = _caller_stdio(req.keep_stdin)
-    header = protocol.LaunchHeader(
-        nprocs=req.nprocs,
-        daemon=req.daemon,
-        preload=req.preload,
-        sys_path=sys.path,
-        env=os.environ,
-        cwd=cwd,
-        envs=req.envs,
-        process_group=req.process_group,
-        process_state=server.process_state_now(),
-        tracker_index=tracker_index,
-        user_fds=len(collector.fds),
-        stdio_slots=stdio_slots,
-        default_stdio=len(default_stdio),
-        binary=req.binary,
-        line_buffered=worker_stdio.stdout_shows_lines(),
-        stacks=req.stacks,
-        join_group=os.getpgrp() if req.caller_group else 0,
-        mp_process=req.mp_process,
-    )
-    payload_fd = -1
+    payload_fd, user_fds = req.work or common.pickle_work(req)
+    user_fds = list(user_fds)  # the request's stays as pickled
+    opened: list[int] = []
     try:
-        with oscall.held_signals():  # made and recorded, for the finally to close
-            payload_fd = common.payload_memfd(header.encode(), work)
-        carried = [*collector.fds, *stdio_fds, *default_stdio]
+        tracker = common.tracker_fd()
+        tracker_index = None
+        if tracker is not None:
+            tracker_index = len(user_fds)
+            user_fds.append(tracker)
+        stdio_slots, stdio_fds = _per_rank_stdio(req)
+        server = client.get_server()
+        default_stdio, opened = _caller_stdio(req.keep_stdin)
+        header = protocol.LaunchHeader(
+            nprocs=req.nprocs,
+            daemon=req.daemon,
+            preload=req.preload,
+            sys_path=sys.path,
+            env=os.environ,
+            cwd=cwd,
+            envs=req.envs,
+            process_group=req.process_group,
+            process_state=server.process_state_now(),
+            tracker_index=tracker_index,
+            user_fds=len(user_fds),
+            stdio_slots=stdio_slots,
+            default_stdio=len(default_stdio),
+            binary=req.binary,
+            line_buffered=worker_stdio.stdout_shows_lines(),
+            stacks=req.stacks,
+            join_group=os.getpgrp() if req.caller_group else 0,
+            mp_process=req.mp_process,
+        )
+        payload.append_trailer(payload_fd, header.encode())
+        carried = [*user_fds, *stdio_fds, *default_stdio]
         try:
             server.send_launch(tx.fileno(), payload_fd, carried)
         except (BrokenPipeError, ConnectionResetError):
@@ -121,8 +125,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient |
             server = client.get_server()
             server.send_launch(tx.fileno(), payload_fd, carried)
     finally:
-        if payload_fd >= 0:
-            os.close(payload_fd)
+        common.discard_work(req)
         for fd in opened:
             os.close(fd)
     return server
