@@ -85,9 +85,10 @@ QUIET_PER_RANK = 0.002
 # A launch of several ranks whose pickled fn and args are larger than this
 # is forked: the zygote unpickles them once and its ranks share that copy,
 # where each ready worker would unpickle one of its own (a 64 MiB argument,
-# 8 ranks: 481-518 ms and 528 MiB of ranks from ready workers, 216 ms and
-# 9.2 MiB forked; 1 MiB: about even in time, 2.9 MiB more per rank; 256 KiB:
-# twice as fast from ready workers; Intel Xeon, docs/performance.md).
+# 8 ranks: 523-531 ms and 528 MiB of ranks from ready workers, 238-239 ms
+# and 9.3 MiB forked; 1 MiB: about even in time, 2.9 MiB more per rank;
+# 256 KiB: twice as fast from ready workers; Intel Xeon, measured before
+# this rule: docs/performance.md, "Large arguments").
 MAX_WAKE_WORK = 512 << 10
 
 
@@ -473,10 +474,10 @@ class ReadyPool:
 
 class Ranks:
     """What the assignments of one launch's ranks are made of: its header;
-    its channel, its
-    payload and the fds its arguments carry (``fds``); its stdio and links;
-    whether the zygote holds the caller's environment, cwd and sys.path now
-    (``same_state``: launch.holds_caller_state); its Brief, pickled once."""
+    its channel, its payload and the fds its arguments carry (``fds``); its
+    stdio and links; whether the zygote holds the caller's environment, cwd
+    and sys.path now (``same_state``: launch.holds_caller_state); its Brief,
+    pickled once."""
 
     def __init__(
         self,
