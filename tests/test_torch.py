@@ -64,6 +64,21 @@ def test_patched_warnings_use_torchs_logger(patched, caplog):
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.NOTSET)
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "spawn", "forkserver"])
+def test_a_tensor_argument_travels_in_shared_memory(start_method):
+    # torch's reductions (multiprocessing's ForkingPickler) put its storage
+    # in shared memory, whose fd goes with the launch: every rank writes the
+    # caller's tensor, not a copy in the pickled arguments.
+    import torch
+
+    tensor = torch.zeros(4)
+    ctx = fastspawn.start_processes(
+        workers.add_one_at_rank, (tensor,), nprocs=4, start_method=start_method
+    )
+    assert ctx.return_values == {rank: True for rank in range(4)}
+    assert tensor.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
 def test_torch_works_in_zygote_workers(patched):
     ctx = torch_mp.spawn(workers.torch_sum, nprocs=2, preload=["torch"])
     assert ctx.return_values == {0: 6.0, 1: 7.0}

@@ -322,6 +322,11 @@ def torch_sum(rank: int) -> float:
     return float(torch.tensor([1.0, 2.0, 3.0]).sum() + rank)
 
 
+def add_one_at_rank(rank: int, tensor: Any) -> bool:
+    tensor[rank] += 1  # in place: the caller sees it if the storage is shared
+    return bool(tensor.is_shared())
+
+
 def elastic_add(a: int, b: int) -> int:
     print(f"out {a} {b}")
     print(f"err {a} {b}", file=sys.stderr)
