@@ -152,6 +152,8 @@ def pickle_work(req: LaunchRequest) -> tuple[int, list[int]]:
 def discard_work(req: LaunchRequest) -> None:
     """Close the request's payload memfd, if it has one (the workers, the
     zygote, hold their own)."""
+    if req.work is None:
+        return  # every launch's way out: no signal block for nothing to close
     with oscall.held_signals():  # closed and forgotten
         if req.work is not None:
             os.close(req.work[0])
