@@ -332,6 +332,48 @@ def test_preforked_floors_wake_every_rank_and_leave_nothing(tmp_path):
         assert all(r["failure_s"] > 0 for r in failures)
 
 
+_REFILL_CHECK = """
+import sys, time
+import fastspawn
+from fastspawn._bench import methods
+from fastspawn._zygote import client
+
+def noop(rank):
+    pass
+
+def cpu_times():
+    times = {}
+    for pid in client.ready_workers(client.zygote_pid()):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        times[pid] = int(fields[11]) + int(fields[12])
+    return times
+
+if __name__ == "__main__":
+    fastspawn.start_processes(noop, nprocs=int(sys.argv[1]))
+    methods._await_ready(int(sys.argv[1]))
+    returned = cpu_times()
+    time.sleep(0.5)
+    print(len(returned), returned == cpu_times())
+"""
+
+
+@pytest.mark.parametrize(("cap", "expected"), [("", "3"), ("2", "2")])
+def test_the_refilled_method_waits_for_every_ready_worker_to_warm_up(tmp_path, cap, expected):
+    # fastspawn-zygote-refilled's prepare: the timed launch must find the
+    # workers the zygote made ready in the background, each asleep after its
+    # warm-up (no CPU time spent after the wait), as prefork() leaves them;
+    # with a cap under nprocs, as many as the cap.
+    script = tmp_path / "refill_check.py"
+    script.write_text(_REFILL_CHECK)
+    env = dict(os.environ, FASTSPAWN_READY=cap)
+    done = subprocess.run(
+        [sys.executable, str(script), "3"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [expected, "True"]
+
+
 _SIZED_CHECK = """
 import subprocess, sys
 import fastspawn

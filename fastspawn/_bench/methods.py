@@ -257,7 +257,7 @@ class FastspawnMethod(Method):
             fastspawn.start_processes(
                 _noop, nprocs=nprocs, start_method=self.start_method, preload=list(session.imports)
             )
-            _await_ready(method, nprocs)
+            _await_ready(nprocs)
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         import fastspawn
@@ -286,20 +286,44 @@ def _noop(rank: int) -> None:
     """A rank that does nothing: warms the zygote up."""
 
 
-def _await_ready(method: Any, nprocs: int) -> None:
+def _await_ready(nprocs: int) -> None:
     """Wait until the zygote has ``nprocs`` ready workers, made in the
-    background (its helper processes are its guard, itself and those), or
-    until their number has not grown for a second (its cap,
-    FASTSPAWN_READY, may be lower); then as long again as that took, a
-    second at most, for the last ones' warm-up."""
-    started = grew = time.monotonic()
-    seen = len(method.helper_pids())
-    while seen < nprocs + 2 and time.monotonic() < grew + 1.0:
-        time.sleep(0.01)
-        now = len(method.helper_pids())
-        if now > seen:
-            seen, grew = now, time.monotonic()
-    time.sleep(min(1.0, time.monotonic() - started))
+    background, or until their number has not grown for a second (its cap,
+    FASTSPAWN_READY, may be lower), and each has warmed up: asleep at two
+    looks in a row, its CPU time unchanged between them.  No longer: a
+    launch after a pause costs more on some machines, the more memory its
+    ranks touch (benchmarks/README.md, "A launch after a pause"), and the
+    ready row and the floors launch with none.  Thirty seconds at most:
+    the timed launch forks what is not ready then."""
+    from fastspawn._zygote import client
+
+    zygote = client.zygote_pid()
+    grew = time.monotonic()
+    deadline = grew + 30.0
+    before: dict[int, int | None] = {}
+    while True:
+        time.sleep(0.005)
+        ready = client.ready_workers(zygote) if zygote is not None else set()
+        now = {pid: _cpu_if_asleep(pid) for pid in ready}
+        if len(now) > len(before):
+            grew = time.monotonic()
+        warm = all(cpu is not None and before.get(pid) == cpu for pid, cpu in now.items())
+        before = now
+        if warm and (len(now) >= nprocs or time.monotonic() > grew + 1.0):
+            return
+        if time.monotonic() > deadline:
+            return
+
+
+def _cpu_if_asleep(pid: int) -> int | None:
+    """The CPU time (clock ticks) of a process asleep; None while it runs,
+    or once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12]) if fields[0] == b"S" else None
 
 
 class MpMethod(Method):
