@@ -626,6 +626,34 @@ def test_sizes_and_nprocs_parse():
         bench_options.parse_size("lots")
 
 
+def test_pause_parses_seconds_and_refuses_the_rest():
+    assert bench_options.parse_pause("0") == 0.0
+    assert bench_options.parse_pause("0.5") == 0.5
+    for bad, says in (("soon", "takes seconds"), ("-1", "from 0 to 60"), ("nan", "from 0 to 60")):
+        with pytest.raises(common.UsageError, match=says):
+            bench_options.parse_pause(bad)
+    with pytest.raises(common.UsageError, match="'600'"):
+        bench_options.parse_pause("600")
+
+
+def test_pause_sleeps_before_every_timed_launch_and_says_so(tmp_path):
+    out = tmp_path / "pause.json"
+    done = bench(
+        "--methods", "mp-fork,binary-popen", "--nprocs", "1", "--repeat", "2",
+        "--pause", "0.3", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "each launch after a pause of 0.3 s (--pause)" in done.stdout
+    document = json.loads(out.read_text())
+    assert validate(document) == []
+    assert document["config"]["pause_s"] == 0.3
+    # Warm-up (one launch each) and rounds (mp-fork: a launch and a failure
+    # round each), all paused; none of it timed.
+    paused = 2 + len(document["rounds"])
+    assert len(document["rounds"]) == 6
+    assert document["duration_s"] >= paused * 0.3
+
+
 def test_quantile_and_summary():
     assert bench_summary.quantile([3.0], 0.9) == 3.0
     assert bench_summary.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0

@@ -57,7 +57,8 @@ reads it):
 - ``config``: ``methods``, ``nprocs``, ``repeat``, ``full`` (--full),
   ``caps`` (method -> the largest nprocs it ran at, launch rounds only:
   the default run keeps torch-spawn so), ``imports``,
-  ``payload_bytes``, ``binary`` (what binary methods start), ``argv``.
+  ``payload_bytes``, ``pause_s`` (--pause; absent from documents written
+  before it), ``binary`` (what binary methods start), ``argv``.
 - ``rounds``: every raw sample, one object per round: ``method``, ``nprocs``,
   ``round`` (0-based), ``kind`` (``"launch"`` or ``"failure"``), and, in
   seconds unless named ``_bytes``, null where the phase does not apply:

@@ -160,7 +160,7 @@ def measure(
     if summed_uss([os.getpid()]) is None:
         _say("psutil is missing or denied: USS not measured (pip install 'fastspawn[bench]')")
     binary = shutil.which("true") or "/bin/true"
-    session = Session(reports, options.imports, options.payload_bytes, binary, live)
+    session = Session(reports, options.imports, options.payload_bytes, binary, live, options.pause)
     methods = [make_method(name) for name in options.methods]
     rounds = plan(methods, options.nprocs, options.repeat, options.caps)
     progress = Progress(sys.stderr)
@@ -213,6 +213,7 @@ def _document(
             "caps": options.caps,
             "imports": options.imports,
             "payload_bytes": options.payload_bytes,
+            "pause_s": options.pause,
             "binary": shutil.which("true") or "/bin/true",
             "argv": options.argv,
         },
@@ -240,7 +241,9 @@ def report(
     if records:
         if failed is not None:
             print(f"(the {len(records)} round(s) measured before {failed.method} failed)")
-        sys.stdout.write(format_table(summary, options.methods, options.repeat, described))
+        sys.stdout.write(
+            format_table(summary, options.methods, options.repeat, described, options.pause)
+        )
         sys.stdout.flush()
     if options.json is not None:
         import json

@@ -81,6 +81,21 @@ def parse_size(text: str) -> int:
     return value
 
 
+# A longer pause is a mistake (minutes, milliseconds?), not a measurement.
+MAX_PAUSE = 60.0
+
+
+def parse_pause(text: str) -> float:
+    """--pause's seconds: a number from 0 to MAX_PAUSE."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--pause takes seconds, like 0.5; got {text!r}") from None
+    if not 0 <= value <= MAX_PAUSE:  # NaN fails both
+        raise UsageError(f"--pause must be from 0 to {MAX_PAUSE:g} seconds; got {text!r}")
+    return value
+
+
 def torch_problem() -> str | None:
     """Why torch.multiprocessing cannot be used here, or None when it can."""
     import importlib
@@ -171,8 +186,12 @@ request wakes each with one write.  fastspawn-zygote-warm forks every rank
 at launch (its prepare turns ready workers off); fastspawn-zygote-ready
 launches from ready workers (its prepare calls fastspawn.prefork(nprocs));
 fastspawn-zygote-refilled is the second of two same-size launches with no
-prefork() call (its prepare launches once, untimed, and waits for the zygote
-to make the workers ready again in the background).
+prefork() call (its prepare launches once, untimed, and waits until the
+zygote has made the workers ready again in the background and each has
+warmed up).  Each round's launch follows its preparation at once; --pause
+puts that many seconds of sleep between them (every method alike, outside
+the timing): a launch after the machine sat idle, which on some machines
+costs more, the more memory the ranks touch.
 
 Phases, per round, from t0 just before the launch call:
   created          the launch call returned: start_processes(join=False), the
@@ -282,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pass a bytes argument of this size (4096, 64K, 1M, ...) to every rank (default: 0)",
     )
     parser.add_argument(
+        "--pause",
+        default="0",
+        metavar="SECONDS",
+        help="sleep this long before each timed launch, every method, after its preparation "
+        "(default: 0): a launch after the machine sat idle",
+    )
+    parser.add_argument(
         "--json", metavar="FILE", help="write every raw sample and the machine here"
     )
     parser.add_argument(
@@ -322,6 +348,7 @@ class Options:
         )
         self.imports = [m.strip() for m in args.imports.split(",") if m.strip()]
         self.payload_bytes = parse_size(args.payload_bytes)
+        self.pause = parse_pause(args.pause)
         _check_output(args.json, "--json")
         _check_plot(args.plot)
         self.json: str | None = args.json

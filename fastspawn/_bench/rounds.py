@@ -99,6 +99,7 @@ def python_round(
     spec = session.spec(fail_rank)
     round_id = spec[2]
     gc.collect()  # not in the timed part
+    time.sleep(session.pause)
     t0 = time.monotonic()
     launched = method.launch(nprocs, spec, session)
     created = time.monotonic()
@@ -133,6 +134,7 @@ def binary_round(method: Method, nprocs: int, round_no: int, session: Session) -
 
     method.prepare(session, nprocs)
     gc.collect()
+    time.sleep(session.pause)
     t0 = time.monotonic()
     launched = method.launch(nprocs, session.spec(-1), session)
     created = time.monotonic()

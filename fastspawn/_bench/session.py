@@ -142,10 +142,12 @@ class Session:
         payload_bytes: int,
         binary: str,
         live: list[Launched],
+        pause: float = 0.0,
     ) -> None:
         self.reports = reports
         self.imports = tuple(imports)
         self.payload = bytes(payload_bytes)
+        self.pause = pause  # seconds slept before each timed launch (--pause)
         self.binary = binary
         # Launches not yet reaped: what an interruption must kill.
         self.live = live

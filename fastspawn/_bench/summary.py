@@ -138,7 +138,7 @@ def _row(
     return row
 
 
-def _legend(floor_ran: bool, repeat: int, machine: Record) -> list[str]:
+def _legend(floor_ran: bool, repeat: int, machine: Record, pause: float) -> list[str]:
     lines = [
         f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90), times in",
         "ms from the launch call (exit->joined: from the last rank's return; failure->reaped:",
@@ -150,6 +150,8 @@ def _legend(floor_ran: bool, repeat: int, machine: Record) -> list[str]:
         lines.append(
             f"vs {FLOOR}: the method's all running median over {FLOOR}'s (a bare os.fork() loop)."
         )
+    if pause:
+        lines.append(f"each launch after a pause of {pause:g} s (--pause): the machine sat idle.")
     lines.append("machine: {cpu}, {cores} cores ({usable_cores} usable),".format(**machine))
     lines.append(
         "         Linux {kernel}, Python {python}, fastspawn {fastspawn}".format(**machine)
@@ -158,13 +160,17 @@ def _legend(floor_ran: bool, repeat: int, machine: Record) -> list[str]:
 
 
 def format_table(
-    summary: Sequence[Record], methods: Sequence[str], repeat: int, machine: Record
+    summary: Sequence[Record],
+    methods: Sequence[str],
+    repeat: int,
+    machine: Record,
+    pause: float = 0.0,
 ) -> str:
     """The terminal report: per nprocs, a table of how the ranks start and
     one of how they end (a row per method each), then the binaries'."""
     stats = {(s["method"], s["nprocs"], s["phase"]): s for s in summary}
     floor_ran = any(s["method"] == FLOOR for s in summary)
-    lines = _legend(floor_ran, repeat, machine)
+    lines = _legend(floor_ran, repeat, machine, pause)
     start_columns = [*_START_COLUMNS, _FLOOR_COLUMN] if floor_ran else _START_COLUMNS
     tables = (
         ("start", False, start_columns),
