@@ -336,6 +336,7 @@ _REFILL_CHECK = """
 import sys, time
 import fastspawn
 from fastspawn._bench import methods
+from fastspawn._launch.methods import registry
 from fastspawn._zygote import client
 
 def noop(rank):
@@ -351,7 +352,7 @@ def cpu_times():
 
 if __name__ == "__main__":
     fastspawn.start_processes(noop, nprocs=int(sys.argv[1]))
-    methods._await_ready(int(sys.argv[1]))
+    methods._await_ready(registry.get("zygote"), int(sys.argv[1]))
     returned = cpu_times()
     time.sleep(0.5)
     print(len(returned), returned == cpu_times())

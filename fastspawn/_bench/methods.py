@@ -257,7 +257,7 @@ class FastspawnMethod(Method):
             fastspawn.start_processes(
                 _noop, nprocs=nprocs, start_method=self.start_method, preload=list(session.imports)
             )
-            _await_ready(nprocs)
+            _await_ready(method, nprocs)
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
         import fastspawn
@@ -286,32 +286,27 @@ def _noop(rank: int) -> None:
     """A rank that does nothing: warms the zygote up."""
 
 
-def _await_ready(nprocs: int) -> None:
+def _await_ready(method: Any, nprocs: int) -> None:
     """Wait until the zygote has ``nprocs`` ready workers, made in the
     background, or until their number has not grown for a second (its cap,
-    FASTSPAWN_READY, may be lower), and each has warmed up: asleep at two
-    looks in a row, its CPU time unchanged between them.  No longer: a
-    launch after a pause costs more on some machines, the more memory its
-    ranks touch (benchmarks/README.md, "A launch after a pause"), and the
-    ready row and the floors launch with none.  Thirty seconds at most:
-    the timed launch forks what is not ready then."""
-    from fastspawn._zygote import client
-
-    zygote = client.zygote_pid()
+    FASTSPAWN_READY, may be lower), and it and each of them are done: asleep
+    at two looks in a row, CPU time unchanged between them (its helper
+    processes are its guard, itself and those).  No longer: a launch after
+    a pause costs more on some machines, the more memory its ranks touch
+    (benchmarks/README.md, "The second launch's wait, and a launch after a
+    pause"), and the ready row and the floors launch with none.  Thirty
+    seconds at most: the timed launch forks what is not ready then."""
     grew = time.monotonic()
     deadline = grew + 30.0
     before: dict[int, int | None] = {}
-    while True:
+    while time.monotonic() < deadline:
         time.sleep(0.005)
-        ready = client.ready_workers(zygote) if zygote is not None else set()
-        now = {pid: _cpu_if_asleep(pid) for pid in ready}
+        now = {pid: _cpu_if_asleep(pid) for pid in method.helper_pids()}
         if len(now) > len(before):
             grew = time.monotonic()
-        warm = all(cpu is not None and before.get(pid) == cpu for pid, cpu in now.items())
+        done = all(cpu is not None and before.get(pid) == cpu for pid, cpu in now.items())
         before = now
-        if warm and (len(now) >= nprocs or time.monotonic() > grew + 1.0):
-            return
-        if time.monotonic() > deadline:
+        if done and (len(now) >= nprocs + 2 or time.monotonic() > grew + 1.0):
             return
 
 
