@@ -151,7 +151,9 @@ def _legend(floor_ran: bool, repeat: int, machine: Record, pause: float) -> list
             f"vs {FLOOR}: the method's all running median over {FLOOR}'s (a bare os.fork() loop)."
         )
     if pause:
-        lines.append(f"each launch after a pause of {pause:g} s (--pause): the machine sat idle.")
+        lines.append(
+            f"each launch after a pause of {pause:g} s (--pause), the bench idle meanwhile."
+        )
     lines.append("machine: {cpu}, {cores} cores ({usable_cores} usable),".format(**machine))
     lines.append(
         "         Linux {kernel}, Python {python}, fastspawn {fastspawn}".format(**machine)
