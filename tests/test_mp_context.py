@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -878,3 +880,44 @@ def test_after_fork_callables_run_in_a_ranks_own_forked_child(after_fork_probe):
     ctx = fastspawn.start_processes(after_fork_probe.runs_in_a_forked_rank, nprocs=1)
     assert ctx.return_values == {0: 1}
     assert set(ctx.pids()) == waiting
+
+
+class _CountingRegistry(weakref.WeakValueDictionary):  # type: ignore[type-arg]
+    """multiprocessing's after-fork registry, counting its reads."""
+
+    reads = 0
+
+    def items(self):  # type: ignore[no-untyped-def]
+        type(self).reads += 1
+        return super().items()
+
+
+def test_after_fork_callables_once_each_and_the_registry_left_alone_after(monkeypatch):
+    # run_after_forkers in this process, on a registry of the test's own
+    # (the real one holds this process's callables, meant for children).
+    from multiprocessing import util
+
+    from fastspawn._worker import runner
+
+    monkeypatch.setattr(_CountingRegistry, "reads", 0)
+    monkeypatch.setattr(util, "_afterfork_registry", _CountingRegistry())
+    monkeypatch.setattr(util, "_afterfork_counter", itertools.count())
+    monkeypatch.setattr(runner, "_after_forkers_run", set())
+    monkeypatch.setattr(runner, "_after_forkers_counted", 0)
+    ran: list[str] = []
+
+    class Holder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    first, second = Holder("first"), Holder("second")
+    util.register_after_fork(first, lambda holder: ran.append(holder.name))
+    runner.run_after_forkers()
+    assert ran == ["first"] and _CountingRegistry.reads == 1
+    runner.run_after_forkers()  # none registered since: the registry is not read
+    assert ran == ["first"] and _CountingRegistry.reads == 1
+    util.register_after_fork(second, lambda holder: ran.append(holder.name))
+    runner.run_after_forkers()
+    assert ran == ["first", "second"] and _CountingRegistry.reads == 2
+    runner.run_after_forkers()
+    assert ran == ["first", "second"] and _CountingRegistry.reads == 2

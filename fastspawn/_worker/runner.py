@@ -63,9 +63,22 @@ def exit_during_prepare(rank: int, code: int) -> None:
 # The keys of multiprocessing's after-fork callables (those of
 # ``multiprocessing.util.register_after_fork``) that ran in this process:
 # each runs once in a process, as in a child of multiprocessing's fork.
-# Emptied at every fork: a child runs them all again.
+# And the registrations' count when they last ran here: none registered
+# since, run_after_forkers reads nothing of the registry, whose entries
+# (torch's among them) sit on pages a ready worker's wake would otherwise
+# read (47-50 us of a woken rank's set-up with torch preloaded, 27 us so).
+# Both are forgotten at every fork: a child runs them all again.
 _after_forkers_run: set[tuple[Any, ...]] = set()
-os.register_at_fork(after_in_child=_after_forkers_run.clear)
+_after_forkers_counted = 0
+
+
+def _forget_after_forkers() -> None:
+    global _after_forkers_counted
+    _after_forkers_run.clear()
+    _after_forkers_counted = 0
+
+
+os.register_at_fork(after_in_child=_forget_after_forkers)
 
 
 def run_after_forkers() -> None:
@@ -75,9 +88,13 @@ def run_after_forkers() -> None:
     ``util._run_after_forkers`` does.  Where more than one step of a
     worker's start would run them (a rank's set-up, then a multiprocessing
     process's ``_bootstrap``), each still runs once."""
+    global _after_forkers_counted
     util = sys.modules.get("multiprocessing.util")
     if util is None or not util._afterfork_registry:
         return  # none registered: the usual case, on every rank's set-up
+    counted = count_next(getattr(util, "_afterfork_counter", None))
+    if counted is not None and counted == _after_forkers_counted:
+        return  # every one registered so far has run here
     pending = [
         (key, obj)
         for key, obj in list(util._afterfork_registry.items())
@@ -90,6 +107,9 @@ def run_after_forkers() -> None:
             key[2](obj)
         except Exception as exc:
             util.info("after forker raised exception %s", exc)
+    if counted is not None:
+        # Those a callable registered meanwhile come next time (above it).
+        _after_forkers_counted = counted
 
 
 def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, body: bytes) -> None:
@@ -251,7 +271,13 @@ def _run_worker_exit_handlers() -> None:
 def next_finalizer_index(finalize: Any) -> int | None:
     """The index weakref.finalize gives the next finalizer made (they are
     numbered in order), read without taking it; None if not readable."""
-    text = repr(getattr(finalize, "_index_iter", None))
+    return count_next(getattr(finalize, "_index_iter", None))
+
+
+def count_next(counter: Any) -> int | None:
+    """What ``next()`` of an ``itertools.count`` would give, read without
+    taking it (from its repr, ``count(N)``); None for anything else."""
+    text = repr(counter)
     if text.startswith("count(") and text.endswith(")"):
         try:
             return int(text[6:-1])
