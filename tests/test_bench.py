@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 import fastspawn
-from fastspawn._bench import common, host, main
+from fastspawn._bench import common, cputime, host, main
 from fastspawn._bench import floor as bench_floor
 from fastspawn._bench import methods as bench_methods
 from fastspawn._bench import options as bench_options
@@ -147,7 +147,10 @@ def test_the_shipped_schema_is_valid_and_matches_the_code():
     assert props["config"]["properties"]["methods"]["items"]["enum"] == list(common.ALL_METHODS)
     assert props["summary"]["items"]["properties"]["phase"]["enum"] == list(bench_rounds.PHASES)
     record = bench_rounds.new_record("mp-fork", 2, 0, "launch")
-    assert set(props["rounds"]["items"]["required"]) == set(record)
+    # Every field a round has, the CPU time's optional: documents written
+    # before it lack them.
+    assert set(props["rounds"]["items"]["properties"]) == set(record)
+    assert set(props["rounds"]["items"]["required"]) == set(record) - set(cputime.FIELDS)
 
 
 def test_the_schema_rejects_what_it_should():
@@ -200,11 +203,15 @@ def test_table_has_every_method_and_the_ratio_column(tiny_sweep):
     end = next(line for line in table.splitlines() if line.startswith("nprocs=1 end "))
     for title in ("exit->joined", "failure->reaped", "USS MiB"):
         assert title in end
+    cpu = next(line for line in table.splitlines() if line.startswith("nprocs=1 CPU "))
+    for title in ("CPU ms", "ranks'", "per rank", "helpers'", "caller's"):
+        assert title in cpu
+    assert "CPU ms: medians of the time on a CPU" in table
     assert "vs binary-popen" in table
     assert "vs floor" not in table  # floor did not run
     spawn_rows = [line for line in table.splitlines() if line.startswith("mp-spawn ")]
-    # A start row and an end row per nprocs; the ratio is in the start rows.
-    assert len(spawn_rows) == 4 and sum("1.00x" in row for row in spawn_rows) == 2
+    # A start, an end and a CPU row per nprocs; the ratio is in the start rows.
+    assert len(spawn_rows) == 6 and sum("1.00x" in row for row in spawn_rows) == 2
     fork_row = next(line for line in table.splitlines() if line.startswith("mp-fork "))
     assert any(token.endswith("x") for token in fork_row.split())  # its ratio
     assert "machine:" in table
@@ -232,6 +239,13 @@ def test_json_follows_the_documented_schema(tiny_sweep):
             assert record["running_s"] == max(record["rank_entry_s"])
             assert record["joined_s"] > 0
             assert record["uss_bytes"] > 0
+            # The launch's CPU: its parts add up; every launch runs ranks and
+            # a caller; only the zygote's methods have a helper here.
+            parts = [record[key] or 0.0 for key in cputime.FIELDS[1:]]
+            assert record["cpu_s"] == pytest.approx(sum(parts))
+            assert record["rank_cpu_s"] > 0 and record["caller_cpu_s"] > 0
+            helpers = record["method"].startswith("fastspawn-zygote")
+            assert (record["helper_cpu_s"] is not None) == helpers, record
     ratios = {
         (s["method"], s["nprocs"]): s["ratio"]
         for s in document["summary"]
@@ -279,9 +293,9 @@ def test_floor_run_reports_every_rank_shows_its_column_and_leaves_nothing(tmp_pa
     header = next(line for line in table.splitlines() if line.startswith("nprocs=1 start "))
     assert "vs floor" in header and "vs mp-spawn" in header
     floor_rows = [line for line in table.splitlines() if line.startswith("floor ")]
-    # A start row (with the ratios) and an end row per nprocs.
-    assert len(floor_rows) == 4 and sum("1.00x" in row for row in floor_rows) == 2
-    assert len([line for line in table.splitlines() if line.startswith("floor-sized ")]) == 4
+    # A start row (with the ratios), an end and a CPU row per nprocs.
+    assert len(floor_rows) == 6 and sum("1.00x" in row for row in floor_rows) == 2
+    assert len([line for line in table.splitlines() if line.startswith("floor-sized ")]) == 6
 
     document = json.loads(out.read_text())
     assert validate(document) == []
@@ -317,7 +331,7 @@ def test_preforked_floors_wake_every_rank_and_leave_nothing(tmp_path):
     assert returncode == 0, err
     assert seen and still_running(seen) == []
     for name in ("floor-preforked", "floor-preforked-sized"):
-        assert len([line for line in table.splitlines() if line.startswith(f"{name} ")]) == 4
+        assert len([line for line in table.splitlines() if line.startswith(f"{name} ")]) == 6
     document = json.loads(out.read_text())
     assert validate(document) == []
     for name in ("floor-preforked", "floor-preforked-sized"):
@@ -327,6 +341,8 @@ def test_preforked_floors_wake_every_rank_and_leave_nothing(tmp_path):
         for record in launches:
             assert len(record["rank_entry_s"]) == len(record["rank_exit_s"]) == record["nprocs"]
             assert min(record["rank_exit_s"]) >= record["running_s"]  # released once all ran
+            # The helper's writes, the ranks' wakes: each measured.
+            assert record["helper_cpu_s"] > 0 and record["rank_cpu_s"] > 0
         failures = [r for r in rounds if r["kind"] == "failure"]
         assert sorted(r["nprocs"] for r in failures) == [1, 1, 4, 4]
         assert all(r["failure_s"] > 0 for r in failures)
@@ -549,7 +565,8 @@ def test_a_failed_round_keeps_the_rounds_before_it_and_names_itself(tmp_path):
     assert "fastspawn bench --methods mp-spawn --nprocs 1)" in err
     assert "(the 6 round(s) measured before mp-spawn failed)" in table
     rows = table.splitlines()
-    assert [row.split()[0] for row in rows if row.startswith("mp-")] == ["mp-spawn", "mp-fork"] * 2
+    # Start, end and CPU tables.
+    assert [row.split()[0] for row in rows if row.startswith("mp-")] == ["mp-spawn", "mp-fork"] * 3
 
     document = json.loads(out.read_text())
     assert validate(document) == []
@@ -775,6 +792,8 @@ def test_every_line_of_the_report_fits_100_columns():
                 "created_s", "running_s", "joined_s", "failure_s")  # fmt: skip
             record.update(dict.fromkeys(keys, 123.456))  # 123456 ms
             record["uss_bytes"] = None if method.startswith("binary-") else 123456 * 2**20
+            if not method.startswith("binary-"):
+                record.update(dict.fromkeys(cputime.FIELDS, 123.456))
             records.append(record)
     summary = bench_summary.summarize(records, common.ALL_METHODS)
     machine = {
@@ -885,6 +904,69 @@ def test_floor_helper_is_a_small_interpreter_that_forks_the_ranks(floor):
     session.live.remove(launched)
     method.teardown()
     assert not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_round_records_its_cpu_time_where_the_kernel_shows_it(floor, measured):
+    method, session = floor
+    session.cpu = measured and cputime.available()
+    record = bench_rounds.python_round(method, 2, 0, session, False)
+    assert record["running_s"] > 0
+    if not measured:
+        assert [record[key] for key in cputime.FIELDS] == [None] * 4
+        return
+    assert record["rank_cpu_s"] > 0 and record["caller_cpu_s"] > 0
+    assert record["helper_cpu_s"] > 0  # the floor's helper forked them
+    assert record["cpu_s"] == pytest.approx(
+        record["rank_cpu_s"] + record["helper_cpu_s"] + record["caller_cpu_s"]
+    )
+
+
+def _spin(seconds: float) -> None:
+    """Run on a CPU for ``seconds`` of this thread's CPU time."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_cputime_counts_a_process_there_before_the_launch_from_the_snapshot_on():
+    # A pre-forked rank's (or ready worker's) CPU before the launch is not
+    # the launch's: a child that ran 0.2 s before the snapshot and 0.02 s
+    # after counts those 0.02 s (and what it took to wake), not its life.
+    assert cputime.available()
+    said_r, said_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _spin(0.2)
+            os.write(said_w, b"1")
+            os.read(go_r, 1)
+            _spin(0.02)
+            os.write(said_w, b"2")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(said_r, 1)
+        assert pid in (cputime.descendants(os.getpid()) or [])
+        before = cputime.snapshot()
+        assert before.processes[pid] >= 0.2e9
+        os.write(go_w, b"x")
+        os.read(said_r, 1)
+        share = cputime.spent(before, cputime.bench_ns(), [pid], [pid])
+        whole = cputime.process_ns(pid)
+        assert whole is not None and whole >= 0.22e9
+        assert 0.02 <= share["rank_cpu_s"] < whole / 1e9 - 0.2  # type: ignore[operator]
+        assert share["helper_cpu_s"] is None  # its only helper was the rank itself
+        assert share["caller_cpu_s"] is not None and share["caller_cpu_s"] >= 0
+        assert share["cpu_s"] == pytest.approx(share["rank_cpu_s"] + share["caller_cpu_s"])
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (said_r, said_w, go_r, go_w):
+            os.close(fd)
+    assert cputime.process_ns(pid) is None  # reaped: gone
 
 
 def test_floor_ranks_run_the_ranks_module_every_method_runs(tmp_path, monkeypatch):

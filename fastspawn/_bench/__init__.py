@@ -10,8 +10,10 @@ Every rank of every Python method runs ``ranks.rank_main``.  It blocks SIGUSR1,
 imports ``--import``'s modules (as a real ``fn``'s module would), writes an
 "entered" record (its CLOCK_MONOTONIC time, which Linux shares between
 processes) to a FIFO the bench reads, and sleeps in ``sigtimedwait`` until the
-bench sends it SIGUSR1.  The bench waits for every rank's record, sums the
-ranks' USS, then releases them: each writes an "exited" record and returns.
+bench sends it SIGUSR1.  The bench waits for every rank's record, reads the
+CPU time the launch took (``cputime``: the ranks', the helpers' and its own,
+against a snapshot taken before the call), sums the ranks' USS, then
+releases them: each writes an "exited" record and returns.
 In a failure round only one rank is released; it writes a "failed" record and
 raises, while the others sleep on until the launcher's teardown kills them.
 A rank whose bench dies exits by itself (it polls a pidfd of the bench once a
@@ -33,7 +35,8 @@ rank needs, so a spawned rank does not pay for the bench's imports.
 The modules: ``ranks`` (what a rank runs), ``common`` (the methods' names,
 the errors), ``session`` (the report FIFO, the live launches), ``methods``
 and ``floor`` (what each method starts), ``rounds`` (a round timed, the
-plan, the warm-up, the sweep), ``progress`` (the run's estimated length,
+plan, the warm-up, the sweep), ``cputime`` (a launch's CPU time),
+``progress`` (the run's estimated length,
 what it shows while it runs), ``summary`` (statistics, table, plot),
 ``host`` (the machine and its limits), ``options`` (the command line),
 ``main`` (a run, start to end).
@@ -64,7 +67,10 @@ reads it):
   seconds unless named ``_bytes``, null where the phase does not apply:
   ``created_s``, ``running_s``, ``joined_s``, ``failure_s``, ``reaped_s``,
   ``uss_bytes``, ``helper_uss_bytes`` (the zygote or forkserver process
-  itself), ``rank_entry_s`` and ``rank_exit_s`` (per rank, from t0).
+  itself), ``cpu_s`` with its parts ``rank_cpu_s``, ``helper_cpu_s`` and
+  ``caller_cpu_s`` (time on a CPU from t0 until the bench had every rank's
+  entry, see ``cputime``; absent from documents written before them),
+  ``rank_entry_s`` and ``rank_exit_s`` (per rank, from t0).
 - ``summary``: one object per method, nprocs and phase: ``phase`` (one of
   ``rounds.PHASES``), ``unit`` (``"s"`` or ``"bytes"``), ``rounds``, ``median``,
   ``p90``, ``min``, and ``ratio`` (median / the baseline's median) with

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from fastspawn._bench import cputime
 from fastspawn._bench.common import SCHEMA_ID, RoundFailed, UsageError
 from fastspawn._bench.host import check_limits, machine
 from fastspawn._bench.options import MP_FLAG, Options, build_parser, import_all
@@ -159,8 +160,13 @@ def measure(
     import_all(options.imports)
     if summed_uss([os.getpid()]) is None:
         _say("psutil is missing or denied: USS not measured (pip install 'fastspawn[bench]')")
+    cpu = cputime.available()
+    if not cpu:
+        _say("this kernel shows no schedstat or children in /proc: CPU time not measured")
     binary = shutil.which("true") or "/bin/true"
-    session = Session(reports, options.imports, options.payload_bytes, binary, live, options.pause)
+    session = Session(
+        reports, options.imports, options.payload_bytes, binary, live, options.pause, cpu
+    )
     methods = [make_method(name) for name in options.methods]
     rounds = plan(methods, options.nprocs, options.repeat, options.caps)
     progress = Progress(sys.stderr)

@@ -206,6 +206,10 @@ Phases, per round, from t0 just before the launch call:
                    terminate the rest, join all, as users write it)
   USS              psutil USS summed over the ranks while all are alive (the
                    zygote's or forkserver's own USS is in the JSON)
+  CPU              time on a CPU from t0 until the bench had every rank's
+                   entry: the ranks' (a ready or pre-forked rank's from its
+                   wake), the helpers' (zygote, forkserver, a floor's helper;
+                   a fork is its parent's) and the caller's, the bench's own
   all reaped       binary methods: call to every process reaped
 Each cell is the median (min-p90) over --repeat rounds.  The ratio column is
 a method's "all running" median over mp-spawn's ("all reaped" over

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, NamedTuple, cast
 
+from fastspawn._bench import cputime
 from fastspawn._bench.common import FLOOR, BenchError, RoundFailed
 from fastspawn._bench.floor import FloorMethod
 from fastspawn._bench.methods import (
@@ -58,6 +59,10 @@ PHASE_KEYS: tuple[tuple[str, str, str], ...] = (
     ("reaped", "reaped_s", "s"),
     ("uss", "uss_bytes", "bytes"),
     ("helper_uss", "helper_uss_bytes", "bytes"),
+    ("cpu", "cpu_s", "s"),
+    ("rank_cpu", "rank_cpu_s", "s"),
+    ("helper_cpu", "helper_cpu_s", "s"),
+    ("caller_cpu", "caller_cpu_s", "s"),
 )
 PHASES: tuple[str, ...] = tuple(phase for phase, _, _ in PHASE_KEYS)
 _RECORD_KEYS = [key for _, key, _ in PHASE_KEYS] + ["rank_entry_s", "rank_exit_s"]
@@ -99,11 +104,15 @@ def python_round(
     spec = session.spec(fail_rank)
     round_id = spec[2]
     gc.collect()  # not in the timed part
+    cpu = cputime.snapshot() if session.cpu and not failure else None
     time.sleep(session.pause)
+    if cpu is not None:
+        cpu = cputime.bench_now(cpu)
     t0 = time.monotonic()
     launched = method.launch(nprocs, spec, session)
     created = time.monotonic()
     entries = session.reports.wait(round_id, ENTERED, nprocs, launched)
+    bench_ns = cputime.bench_ns() if cpu is not None else 0
     record = new_record(method.name, nprocs, round_no, "failure" if failure else "launch")
     if failure:
         launched.release([fail_rank])
@@ -112,8 +121,10 @@ def python_round(
         failed = session.reports.wait(round_id, FAILED, 1, None)
         record["failure_s"] = done - failed[fail_rank]
     else:
-        record["uss_bytes"] = summed_uss(launched.pids())
         helpers = method.helper_pids()
+        if cpu is not None:
+            record.update(cputime.spent(cpu, bench_ns, launched.pids(), helpers))
+        record["uss_bytes"] = summed_uss(launched.pids())
         record["helper_uss_bytes"] = summed_uss(helpers) if helpers else None
         launched.release(range(nprocs))
         launched.join()

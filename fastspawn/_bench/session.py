@@ -143,11 +143,13 @@ class Session:
         binary: str,
         live: list[Launched],
         pause: float = 0.0,
+        cpu: bool = False,
     ) -> None:
         self.reports = reports
         self.imports = tuple(imports)
         self.payload = bytes(payload_bytes)
         self.pause = pause  # seconds slept before each timed launch (--pause)
+        self.cpu = cpu  # each launch's CPU time measured (fastspawn._bench.cputime)
         self.binary = binary
         # Launches not yet reaped: what an interruption must kill.
         self.live = live

@@ -108,6 +108,14 @@ _END_COLUMNS = [
     ("failure", "failure->reaped"),
     ("uss", "USS MiB"),
 ]
+# Medians alone: four columns of "median (min-p90)" would not fit.
+_CPU_COLUMNS = [
+    ("median:cpu", "CPU ms"),
+    ("median:rank_cpu", "ranks'"),
+    ("per_rank:rank_cpu", "per rank"),
+    ("median:helper_cpu", "helpers'"),
+    ("median:caller_cpu", "caller's"),
+]
 _BIN_COLUMNS = [
     ("created", "created"),
     ("reaped", "all reaped"),
@@ -134,11 +142,22 @@ def _row(
     for key, _title in columns:
         field, _, phase = key.rpartition(":")
         found = stats.get((name, nprocs, phase))
-        row.append(_ratio(found[field] if found else None) if field else _cell(found))
+        if not field:
+            row.append(_cell(found))
+        elif found is None:
+            row.append("-")
+        elif field == "median":
+            row.append(_number(found["median"] * 1000.0))  # ms
+        elif field == "per_rank":
+            row.append(_number(found["median"] * 1000.0 / nprocs))
+        else:
+            row.append(_ratio(found[field]))
     return row
 
 
-def _legend(floor_ran: bool, repeat: int, machine: Record, pause: float) -> list[str]:
+def _legend(
+    floor_ran: bool, repeat: int, machine: Record, pause: float, cpu_ran: bool
+) -> list[str]:
     lines = [
         f"fastspawn bench: {repeat} round(s) per cell; each cell is median (min-p90), times in",
         "ms from the launch call (exit->joined: from the last rank's return; failure->reaped:",
@@ -154,6 +173,13 @@ def _legend(floor_ran: bool, repeat: int, machine: Record, pause: float) -> list
         lines.append(
             f"each launch after a pause of {pause:g} s (--pause), the bench idle meanwhile."
         )
+    if cpu_ran:
+        lines += [
+            "CPU ms: medians of the time on a CPU from the call until the bench had every rank's",
+            "entry, of the ranks (a ready or pre-forked one's from its wake; per rank: their",
+            "median over nprocs), the method's helpers (zygote, forkserver, a floor's helper;",
+            "a fork is its parent's) and the caller (the bench itself).",
+        ]
     lines.append("machine: {cpu}, {cores} cores ({usable_cores} usable),".format(**machine))
     lines.append(
         "         Linux {kernel}, Python {python}, fastspawn {fastspawn}".format(**machine)
@@ -172,18 +198,20 @@ def format_table(
     one of how they end (a row per method each), then the binaries'."""
     stats = {(s["method"], s["nprocs"], s["phase"]): s for s in summary}
     floor_ran = any(s["method"] == FLOOR for s in summary)
-    lines = _legend(floor_ran, repeat, machine, pause)
+    cpu_ran = any(s["phase"] == "cpu" for s in summary)
+    lines = _legend(floor_ran, repeat, machine, pause, cpu_ran)
     start_columns = [*_START_COLUMNS, _FLOOR_COLUMN] if floor_ran else _START_COLUMNS
     tables = (
         ("start", False, start_columns),
         ("end", False, _END_COLUMNS),
+        ("CPU", False, _CPU_COLUMNS if cpu_ran else []),
         ("binaries", True, _BIN_COLUMNS),
     )
     for nprocs in sorted({s["nprocs"] for s in summary}):
         for title, binary, columns in tables:
             names = [m for m in methods if m.startswith("binary-") == binary]
             names = [m for m in names if any((m, nprocs, p) in stats for p in PHASES)]
-            if not names:
+            if not names or not columns:
                 continue
             lines.append("")
             rows = [[f"nprocs={nprocs} {title}"] + [name for _, name in columns]]
@@ -198,6 +226,7 @@ _PANELS = [
     ("joined", "last exit -> join returned (ms)"),
     ("failure", "failure -> all reaped (ms)"),
     ("uss", "summed USS of the ranks (MiB)"),
+    ("cpu", "CPU time until all ranks in fn (ms)"),
     ("reaped", "binaries: call -> all reaped (ms)"),
 ]
 

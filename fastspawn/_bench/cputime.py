@@ -1,0 +1,129 @@
+"""What a launch cost the machine beside how long it took: the CPU time
+of the processes it involved, from the call to the moment the bench has
+every rank's entry, read from /proc (each thread's schedstat: its time on
+a CPU, in ns).
+
+A snapshot is taken before the launch of the bench itself and of every
+process below it (the zygote, its ready workers, a floor's pre-forked
+children, a forkserver): a rank that was one of them counts from there,
+from its wake; a rank forked or spawned in the launch counts whole (the
+fork's own cost is its parent's: the zygote's, or the bench's for
+multiprocessing's fork).  Threads and processes gone by the second look
+are not counted."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+
+class Snapshot(NamedTuple):
+    """CPU times (ns): the bench's, and each process's below it by pid."""
+
+    bench: int
+    processes: dict[int, int]
+
+
+# The round's fields, in seconds: all of it, then its parts (the bench's is
+# the caller's: the launch call, then reading the ranks' records).
+FIELDS = ("cpu_s", "rank_cpu_s", "helper_cpu_s", "caller_cpu_s")
+
+
+def process_ns(pid: int) -> int | None:
+    """The CPU time of ``pid``'s threads so far (ns); None once it is gone
+    or where this kernel keeps no schedstat."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, read = 0, False
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
+                total += int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        read = True
+    return total if read else None
+
+
+def descendants(pid: int) -> list[int] | None:
+    """Every process below ``pid``; None where /proc does not list a
+    thread's children (a kernel built without CONFIG_PROC_CHILDREN)."""
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        parent = queue.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue  # gone meanwhile
+        for tid in threads:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children", "rb") as children:
+                    kids = [int(kid) for kid in children.read().split()]
+            except FileNotFoundError:
+                if parent == pid:
+                    return None
+                continue
+            except OSError:
+                continue
+            found += kids
+            queue += kids
+    return found
+
+
+def available() -> bool:
+    """Whether this kernel shows what the snapshots read."""
+    return process_ns(os.getpid()) is not None and descendants(os.getpid()) is not None
+
+
+def snapshot() -> Snapshot:
+    """The bench's CPU time and every process's below it, now (call
+    available() first)."""
+    me = os.getpid()
+    processes: dict[int, int] = {}
+    for pid in descendants(me) or ():
+        spent = process_ns(pid)
+        if spent is not None:
+            processes[pid] = spent
+    return Snapshot(bench_ns(), processes)
+
+
+def bench_ns() -> int:
+    """The bench's own CPU time so far (ns)."""
+    return process_ns(os.getpid()) or 0
+
+
+def bench_now(before: Snapshot) -> Snapshot:
+    """``before`` with the bench's own time read again: taken right before
+    the launch, so that the snapshot's own reading is not the caller's."""
+    return Snapshot(bench_ns(), before.processes)
+
+
+def spent(
+    before: Snapshot, bench: int, ranks: Iterable[int], helpers: Iterable[int]
+) -> dict[str, float | None]:
+    """The round's FIELDS since ``before``: the ranks', the method's helper
+    processes' (the ranks not among them; None for a method without any),
+    the bench's (``bench``: its CPU time read the moment it had every
+    rank's entry) and their sum."""
+    ranks = set(ranks)
+    others = set(helpers) - ranks
+    shares = [_since(before, ranks), _since(before, others), bench - before.bench]
+    seconds: list[float | None] = [sum(shares) / 1e9, *(share / 1e9 for share in shares)]
+    if not others:
+        seconds[2] = None
+    return dict(zip(FIELDS, seconds, strict=True))
+
+
+def _since(before: Snapshot, pids: set[int]) -> int:
+    total = 0
+    for pid in pids:
+        now = process_ns(pid)
+        if now is not None:
+            total += now - before.processes.get(pid, 0)
+    return total
