@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import os
+import py_compile
 import resource
 import signal
 import subprocess
@@ -218,8 +219,13 @@ def test_table_has_every_method_and_the_ratio_column(tiny_sweep):
 
 
 def test_json_follows_the_documented_schema(tiny_sweep):
-    _, document, _ = tiny_sweep
+    table, document, err = tiny_sweep
     assert validate(document) == []
+    # Whether fresh interpreters compiled fastspawn's modules: said, kept.
+    uncached = len(host.uncached_modules())
+    assert document["machine"]["uncached_modules"] == uncached
+    assert ("of fastspawn's modules have no bytecode cache here" in err) == bool(uncached)
+    assert ("fastspawn's modules had no bytecode cache" in table) == bool(uncached)
     assert document["machine"]["fastspawn"] == fastspawn.__version__
     assert document["machine"]["cpu"]
     assert document["config"]["methods"] == CHEAP
@@ -672,6 +678,25 @@ def test_pause_sleeps_before_every_timed_launch_and_says_so(tmp_path):
     assert document["duration_s"] >= paused * 0.3
 
 
+def test_the_bench_knows_which_of_fastspawns_modules_a_fresh_interpreter_compiles(
+    tmp_path, monkeypatch
+):
+    # Caches looked for under an empty prefix: none is there.
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))
+    root = Path(fastspawn.__file__).parent
+    sources = sorted(str(path.relative_to(root)) for path in root.rglob("*.py"))
+    assert len(sources) > 50 and host.uncached_modules() == sources
+    init = str(root / "__init__.py")
+    cached = Path(importlib.util.cache_from_source(init))
+    py_compile.compile(init, cfile=str(cached), doraise=True)
+    assert host.uncached_modules() == [p for p in sources if p != "__init__.py"]
+    # A cache of another version of the source (its mtime) is not used.
+    data = bytearray(cached.read_bytes())
+    data[8:12] = ((int(os.stat(init).st_mtime) + 1) & 0xFFFFFFFF).to_bytes(4, "little")
+    cached.write_bytes(bytes(data))
+    assert host.uncached_modules() == sources
+
+
 def test_quantile_and_summary():
     assert bench_summary.quantile([3.0], 0.9) == 3.0
     assert bench_summary.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
@@ -799,7 +824,7 @@ def test_every_line_of_the_report_fits_100_columns():
     machine = {
         "cpu": "Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz", "cores": 224,
         "usable_cores": 224, "kernel": "6.18.44-fc-v669-generic",
-        "python": "3.13.1 (CPython)", "fastspawn": "0.1.0",
+        "python": "3.13.1 (CPython)", "fastspawn": "0.1.0", "uncached_modules": 95,
     }  # fmt: skip
     table = bench_summary.format_table(summary, common.ALL_METHODS, 5, machine)
     assert "123456 (123456-123456)" in table and "binary-popen-pdeathsig" in table

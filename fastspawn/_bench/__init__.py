@@ -56,7 +56,9 @@ reads it):
 - ``machine``: ``cpu`` (model name from /proc/cpuinfo), ``cores``,
   ``usable_cores`` (CPU affinity), ``kernel``, ``python``, ``fastspawn``
   (version), ``torch`` (version when the run imported it, else null),
-  ``memory_bytes``.
+  ``memory_bytes``, ``uncached_modules`` (how many of fastspawn's modules
+  had no bytecode cache, so that every fresh interpreter compiled them;
+  absent from documents written before it).
 - ``config``: ``methods``, ``nprocs``, ``repeat``, ``full`` (--full),
   ``caps`` (method -> the largest nprocs it ran at, launch rounds only:
   the default run keeps torch-spawn so), ``imports``,

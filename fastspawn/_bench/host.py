@@ -60,7 +60,50 @@ def machine() -> Record:
         "fastspawn": fastspawn.__version__,
         "torch": torch_version,
         "memory_bytes": memory,
+        "uncached_modules": len(uncached_modules()),
     }
+
+
+def uncached_modules() -> list[str]:
+    """fastspawn's modules (paths in the package) that a fresh interpreter
+    compiles from source: no bytecode cache matching them where this
+    interpreter looks (``PYTHONDONTWRITEBYTECODE`` kept it from writing
+    one, or the install is read-only).  Every spawned rank, and a zygote or
+    forkserver as it starts, then pays that compilation (15-17 ms of CPU
+    a spawned rank on an Intel Xeon VM, benchmarks/README.md)."""
+    import fastspawn
+
+    root = os.path.dirname(os.path.abspath(fastspawn.__file__))
+    missing = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and not _cache_matches(path):
+                missing.append(os.path.relpath(path, root))
+    return sorted(missing)
+
+
+def _cache_matches(source: str) -> bool:
+    """Whether the bytecode cache of ``source`` is there and is the one the
+    import system would load: this Python's magic number, and the source's
+    mtime and size (a hash-based cache counts as there)."""
+    import importlib.util
+
+    try:
+        cached = importlib.util.cache_from_source(source)
+        stat = os.stat(source)
+        with open(cached, "rb") as f:
+            header = f.read(16)
+    except (OSError, NotImplementedError, ValueError):
+        return False
+    if len(header) < 16 or header[:4] != importlib.util.MAGIC_NUMBER:
+        return False
+    if int.from_bytes(header[4:8], "little") & 1:
+        return True  # hash-based: checked by its hash, if at all
+    mtime = int.from_bytes(header[8:12], "little")
+    size = int.from_bytes(header[12:16], "little")
+    return mtime == int(stat.st_mtime) & 0xFFFFFFFF and size == stat.st_size & 0xFFFFFFFF
 
 
 # fds the bench holds per rank while a launch runs: a pidfd (fastspawn), a

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastspawn._bench import cputime
 from fastspawn._bench.common import SCHEMA_ID, RoundFailed, UsageError
-from fastspawn._bench.host import check_limits, machine
+from fastspawn._bench.host import check_limits, machine, uncached_modules
 from fastspawn._bench.options import MP_FLAG, Options, build_parser, import_all
 from fastspawn._bench.progress import Progress, clock
 from fastspawn._bench.rounds import make_method, plan, summed_uss, sweep, warm_up
@@ -140,7 +140,23 @@ def _announce(options: Options, progress: Progress) -> None:
     )
     for name, cap in options.caps.items():
         progress.say(f"{name}: launch rounds only, up to nprocs {cap}")
-    progress.say("warming every method up to estimate how long the rounds take")
+
+
+def _say_what_skews(cpu: bool) -> None:
+    """Say what this machine leaves out of the figures, or adds to them."""
+    uncached = uncached_modules()
+    if uncached:
+        import fastspawn
+
+        why = " (PYTHONDONTWRITEBYTECODE is set)" if sys.dont_write_bytecode else ""
+        _say(
+            f"{len(uncached)} of fastspawn's modules have no bytecode cache here{why}: every "
+            "fresh interpreter (a spawned rank, a zygote or forkserver starting) compiles them "
+            "first, and the figures include that; `python -m compileall -q "
+            f"{os.path.dirname(fastspawn.__file__)}` caches them"
+        )
+    if not cpu:
+        _say("this kernel shows no schedstat or children in /proc: CPU time not measured")
 
 
 def measure(
@@ -161,8 +177,6 @@ def measure(
     if summed_uss([os.getpid()]) is None:
         _say("psutil is missing or denied: USS not measured (pip install 'fastspawn[bench]')")
     cpu = cputime.available()
-    if not cpu:
-        _say("this kernel shows no schedstat or children in /proc: CPU time not measured")
     binary = shutil.which("true") or "/bin/true"
     session = Session(
         reports, options.imports, options.payload_bytes, binary, live, options.pause, cpu
@@ -171,6 +185,8 @@ def measure(
     rounds = plan(methods, options.nprocs, options.repeat, options.caps)
     progress = Progress(sys.stderr)
     _announce(options, progress)
+    _say_what_skews(cpu)
+    progress.say("warming every method up to estimate how long the rounds take")
     probe = min(max(options.nprocs), 2 * machine()["usable_cores"])
     with _BareMain(), _Quiet():
         try:

@@ -180,6 +180,11 @@ def _legend(
             "median over nprocs), the method's helpers (zygote, forkserver, a floor's helper;",
             "a fork is its parent's) and the caller (the bench itself).",
         ]
+    if machine.get("uncached_modules"):
+        lines.append(
+            "fastspawn's modules had no bytecode cache: each spawned rank and each zygote or"
+        )
+        lines.append("forkserver start compiled them, and the figures include that.")
     lines.append("machine: {cpu}, {cores} cores ({usable_cores} usable),".format(**machine))
     lines.append(
         "         Linux {kernel}, Python {python}, fastspawn {fastspawn}".format(**machine)
