@@ -176,9 +176,9 @@ def _legend(
     if cpu_ran:
         lines += [
             "CPU ms: medians of the time on a CPU from the call until the bench had every rank's",
-            "entry, of the ranks (a ready or pre-forked one's from its wake; per rank: their",
-            "median over nprocs), the method's helpers (zygote, forkserver, a floor's helper;",
-            "a fork is its parent's) and the caller (the bench itself).",
+            "entry, of the ranks (a ready or pre-forked one's from its wake; per rank: that",
+            "median / nprocs), the method's helpers (zygote, forkserver, a floor's helper; a",
+            "fork is its parent's) and the caller (the bench itself).",
         ]
     if machine.get("uncached_modules"):
         lines.append(
