@@ -120,9 +120,7 @@ def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, b
     is then dropped with a line on stderr, never written into that file or
     connection.  The exit code still tells the caller how the rank ended.
     """
-    from fastspawn._os import oscall  # loaded in the forking process already
-
-    if not oscall.fd_is(tx.fileno(), *channel):
+    if not _fd_is(tx.fileno(), *channel):
         try:
             print(
                 f"fastspawn: rank {rank} cannot report to its launcher: the worker closed "
@@ -133,6 +131,23 @@ def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, b
             pass  # sys.stderr may be gone with the fds the worker closed
         return
     _channel.send(tx, rank, kind, body)
+
+
+def _fd_is(fd: int, dev: int, ino: int) -> bool:
+    """Whether ``fd`` is open on the file with these device and inode
+    numbers: oscall.fd_is where this process has it (a forked or woken
+    worker: an fstat that builds no Python object), else os.fstat, so that
+    a spawned worker does not load the C extension for it (cffi and the
+    module: about 1 ms of CPU, 6 where no bytecode is cached;
+    benchmarks/README.md)."""
+    oscall = sys.modules.get("fastspawn._os.oscall")
+    if oscall is not None:
+        return bool(oscall.fd_is(fd, dev, ino))
+    try:
+        stat = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.st_dev == dev and stat.st_ino == ino
 
 
 def channel_identity(tx: socket.socket) -> tuple[int, int]:
@@ -395,10 +410,10 @@ def set_parent_process(caller: int) -> None:
     caller has exited."""
     from multiprocessing import process
 
-    from fastspawn._os import oscall
-
     try:
-        sentinel = oscall.pidfd_open(caller)
+        # os's, not oscall's: a spawned worker has not loaded the C
+        # extension, and this is its only use of it before fn.
+        sentinel = os.pidfd_open(caller)
     except OSError:
         return  # the caller is gone: PR_SET_PDEATHSIG ends us anyway
     process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
