@@ -409,3 +409,12 @@ def test_parent_process_is_the_caller(start_method):
     # As in multiprocessing's children: code tells a worker by it.
     ctx = start(workers.parent_info, nprocs=2, start_method=start_method)
     assert ctx.return_values == {0: (os.getpid(), True), 1: (os.getpid(), True)}
+
+
+def test_a_spawned_worker_reaches_fn_without_the_c_extension():
+    # Nothing before fn needs it (the caller's pidfd comes from
+    # os.pidfd_open): cffi's backend and oscall were a spawned worker's
+    # largest imports (benchmarks/README.md).
+    names = ["_cffi_backend", "fastspawn._os.oscall", "fastspawn._os._core"]
+    ctx = start(workers.modules_loaded, (names,), nprocs=1, start_method="spawn")
+    assert ctx.return_values == {0: [False, False, False]}

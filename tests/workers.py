@@ -623,6 +623,11 @@ def parent_info(rank: int) -> tuple[int | None, bool]:
     return (None, False) if parent is None else (parent.pid, parent.is_alive())
 
 
+def modules_loaded(rank: int, names: list[str]) -> list[bool]:
+    """Whether each of these modules is loaded in this worker."""
+    return [name in sys.modules for name in names]
+
+
 def module_attribute(rank: int, module: str, name: str) -> str:
     """str() of the name attribute of an imported module's object, or of
     its .name when it has one (a TemporaryDirectory's path)."""
