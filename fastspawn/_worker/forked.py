@@ -241,7 +241,9 @@ def _set_up_and_run(
         _channel.send(spec.tx, rank, _channel.ERROR, error)
         return 1, 0
     assert spec.fn is not None
-    return run(rank, spec.fn, spec.args, spec.tx, spec.channel)
+    from fastspawn._os import oscall  # loaded in the forking process already
+
+    return run(rank, spec.fn, spec.args, spec.tx, spec.channel, oscall.fd_is)
 
 
 def _set_up_forked(

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import Any, Literal, NoReturn
 
+    # How a report checks its channel: (fd, st_dev, st_ino) -> whether the
+    # fd is still open on that file.
+    ChannelCheck = Callable[[int, int, int], bool]
+
 
 def format_exc() -> str:
     import traceback
@@ -112,15 +116,23 @@ def run_after_forkers() -> None:
         _after_forkers_counted = counted
 
 
-def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, body: bytes) -> None:
+def _report(
+    tx: socket.socket,
+    channel: tuple[int, int],
+    rank: int,
+    kind: int,
+    body: bytes,
+    fd_is: ChannelCheck,
+) -> None:
     """Send a report on ``tx`` if its fd is still the channel it was when
-    the worker started (``channel``: its st_dev, st_ino).  A worker that
-    closed its inherited fds (``os.closerange``) has no channel left, and
-    one that opened something since may have the number back: the report
-    is then dropped with a line on stderr, never written into that file or
-    connection.  The exit code still tells the caller how the rank ended.
+    the worker started (``channel``: its st_dev, st_ino; ``fd_is`` checks).
+    A worker that closed its inherited fds (``os.closerange``) has no
+    channel left, and one that opened something since may have the number
+    back: the report is then dropped with a line on stderr, never written
+    into that file or connection.  The exit code still tells the caller how
+    the rank ended.
     """
-    if not _fd_is(tx.fileno(), *channel):
+    if not fd_is(tx.fileno(), *channel):
         try:
             print(
                 f"fastspawn: rank {rank} cannot report to its launcher: the worker closed "
@@ -133,16 +145,12 @@ def _report(tx: socket.socket, channel: tuple[int, int], rank: int, kind: int, b
     _channel.send(tx, rank, kind, body)
 
 
-def _fd_is(fd: int, dev: int, ino: int) -> bool:
-    """Whether ``fd`` is open on the file with these device and inode
-    numbers: oscall.fd_is where this process has it (a forked or woken
-    worker: an fstat that builds no Python object), else os.fstat, so that
-    a spawned worker does not load the C extension for it (cffi and the
-    module: about 1 ms of CPU, 6 where no bytecode is cached;
-    benchmarks/README.md)."""
-    oscall = sys.modules.get("fastspawn._os.oscall")
-    if oscall is not None:
-        return bool(oscall.fd_is(fd, dev, ino))
+def stat_is(fd: int, dev: int, ino: int) -> bool:
+    """A ChannelCheck through os.fstat: a spawned worker's, which would
+    otherwise load the C extension for it (cffi and oscall: about 1 ms of
+    CPU, 6 where no bytecode is cached; benchmarks/README.md).  A forked
+    worker uses oscall.fd_is, which builds no Python object (no page
+    copied for it)."""
     try:
         stat = os.fstat(fd)
     except OSError:
@@ -163,8 +171,11 @@ def run(
     args: Sequence[Any],
     tx: socket.socket,
     channel: tuple[int, int] | None = None,
+    fd_is: ChannelCheck = stat_is,
 ) -> tuple[int, int]:
-    """Call ``fn(rank, *args)`` and report its outcome on ``tx``.
+    """Call ``fn(rank, *args)`` and report its outcome on ``tx`` (``channel``:
+    its identity, taken here if not given; ``fd_is``: how a report checks
+    it, see _report).
 
     Returns (exit code, signal to die by or 0).  A KeyboardInterrupt (SIGINT)
     does not pass as success, as it does under torch: the worker dies by
@@ -195,7 +206,9 @@ def run(
         if os.getpid() != rank_pid:
             print_exc()
         else:
-            _report(tx, channel, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"))
+            _report(
+                tx, channel, rank, _channel.ERROR, format_exc().encode("utf-8", "replace"), fd_is
+            )
     if os.getpid() != rank_pid:
         return code, signum
     if code == 0 and not signum:
@@ -203,9 +216,9 @@ def run(
             body = pickling.dumps_result(value)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-            _report(tx, channel, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"))
+            _report(tx, channel, rank, _channel.UNPICKLABLE, why.encode("utf-8", "replace"), fd_is)
         else:
-            _report(tx, channel, rank, _channel.RESULT, body)
+            _report(tx, channel, rank, _channel.RESULT, body, fd_is)
     return code, signum
 
 
