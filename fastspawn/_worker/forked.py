@@ -8,6 +8,9 @@ import signal
 import socket
 import sys
 
+# Only forking processes (the zygote, a caller of the fork method) import
+# this module, and they have the C core loaded: no rank pays for it.
+from fastspawn._os import oscall
 from fastspawn._wire import channel as _channel
 from fastspawn._worker.runner import (
     FORK_EXIT_HANDLERS,
@@ -241,8 +244,6 @@ def _set_up_and_run(
         _channel.send(spec.tx, rank, _channel.ERROR, error)
         return 1, 0
     assert spec.fn is not None
-    from fastspawn._os import oscall  # loaded in the forking process already
-
     return run(rank, spec.fn, spec.args, spec.tx, spec.channel, oscall.fd_is)
 
 
@@ -302,8 +303,6 @@ def _stdin_from(fd: int) -> None:
 
 def _arm_parent_death(parent: int) -> None:
     """PR_SET_PDEATHSIG(SIGKILL) against ``parent``, or exit if it is gone."""
-    from fastspawn._os import oscall  # loaded in the forking process already
-
     try:
         oscall.set_pdeathsig(signal.SIGKILL, parent)
     except ProcessLookupError:
