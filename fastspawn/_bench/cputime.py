@@ -1,19 +1,25 @@
 """What a launch cost the machine beside how long it took: the CPU time
 of the processes it involved, from the call to the moment the bench has
-every rank's entry, read from /proc (each thread's schedstat: its time on
-a CPU, in ns).
+every rank's entry: each process's CPU clock (clock_gettime on the clock
+the kernel keeps for any pid, in ns), found from /proc's children lists.
 
 A snapshot is taken before the launch of the bench itself and of every
 process below it (the zygote, its ready workers, a floor's pre-forked
 children, a forkserver): a rank that was one of them counts from there,
 from its wake; a rank forked or spawned in the launch counts whole (the
 fork's own cost is its parent's: the zygote's, or the bench's for
-multiprocessing's fork).  Threads and processes gone by the second look
-are not counted."""
+multiprocessing's fork).  Processes gone by the second look are not
+counted; a process's threads that ended are.
+
+The clock, not /proc's schedstat: schedstat shows a thread's time up to
+its last tick or switch, so a rank still on the other CPU since its wake
+reads as having spent nothing (a pre-forked floor child, on a CI host);
+the clock adds the slice it is in."""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -33,21 +39,19 @@ FIELDS = ("cpu_s", "rank_cpu_s", "helper_cpu_s", "caller_cpu_s")
 
 
 def process_ns(pid: int) -> int | None:
-    """The CPU time of ``pid``'s threads so far (ns); None once it is gone
-    or where this kernel keeps no schedstat."""
+    """The CPU time of ``pid``'s threads so far, ended ones included (ns);
+    None once it is gone (reaped) or where this kernel refuses the clock."""
     try:
-        threads = os.listdir(f"/proc/{pid}/task")
+        return time.clock_gettime_ns(_process_clock(pid))
     except OSError:
         return None
-    total, read = 0, False
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as stat:
-                total += int(stat.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # the thread ended meanwhile
-        read = True
-    return total if read else None
+
+
+def _process_clock(pid: int) -> int:
+    # The clockid clock_getcpuclockid(3) returns for pid: the kernel's
+    # process CPU clock of the scheduler's kind (CPUCLOCK_SCHED, 2) for ~pid,
+    # as include/linux/posix-timers.h makes it.
+    return ((~pid) << 3) | 2
 
 
 def descendants(pid: int) -> list[int] | None:

@@ -156,7 +156,10 @@ def _say_what_skews(cpu: bool) -> None:
             f"{os.path.dirname(fastspawn.__file__)}` caches them"
         )
     if not cpu:
-        _say("this kernel shows no schedstat or children in /proc: CPU time not measured")
+        _say(
+            "this kernel refuses processes' CPU clocks or shows no children in /proc: "
+            "CPU time not measured"
+        )
 
 
 def measure(
