@@ -758,7 +758,6 @@ def gloo_all_reduce_or_raise(rank: int, store_path: str, ready: Any) -> None:
         deadline = time.monotonic() + 60
         while ready.value < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.5)  # from the count to the all_reduce call: a few lines
         raise ValueError("rank 1 fails while the others wait")
     store = dist.FileStore(store_path, 3)
     timeout = timedelta(seconds=300)
@@ -768,9 +767,15 @@ def gloo_all_reduce_or_raise(rank: int, store_path: str, ready: Any) -> None:
             daemon=True,
         ).start()
     group = dist.ProcessGroupGloo(store, {0: 0, 2: 1, 3: 2}[rank], 4, timeout)
+    # Counted on the waiting line itself: a dump taken once all three are
+    # counted finds each on that line, however slowly it goes on.
+    group.allreduce(_counted(ready, [torch.ones(1)])).wait()  # the waiting line
+
+
+def _counted(ready: Any, value: Any) -> Any:
     with ready.get_lock():
         ready.value += 1
-    group.allreduce([torch.ones(1)]).wait()  # the waiting line
+    return value
 
 
 def stack_memfds_then_wait(rank: int, queue: Any) -> None:
