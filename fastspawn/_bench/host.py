@@ -54,7 +54,7 @@ def machine() -> Record:
     return {
         "cpu": cpu,
         "cores": os.cpu_count() or 1,
-        "usable_cores": len(os.sched_getaffinity(0)),
+        "usable_cores": usable_cores(),
         "kernel": platform.release(),
         "python": f"{platform.python_version()} ({platform.python_implementation()})",
         "fastspawn": fastspawn.__version__,
@@ -62,6 +62,12 @@ def machine() -> Record:
         "memory_bytes": memory,
         "uncached_modules": len(uncached_modules()),
     }
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity): what a machine
+    record calls ``usable_cores``, without the rest of the record."""
+    return len(os.sched_getaffinity(0))
 
 
 def uncached_modules() -> list[str]:

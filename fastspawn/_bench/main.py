@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastspawn._bench import cputime
 from fastspawn._bench.common import SCHEMA_ID, RoundFailed, UsageError
-from fastspawn._bench.host import check_limits, machine, uncached_modules
+from fastspawn._bench.host import check_limits, machine, uncached_modules, usable_cores
 from fastspawn._bench.options import MP_FLAG, Options, build_parser, import_all
 from fastspawn._bench.progress import Progress, clock
 from fastspawn._bench.rounds import make_method, plan, summed_uss, sweep, warm_up
@@ -190,7 +190,7 @@ def measure(
     _announce(options, progress)
     _say_what_skews(cpu)
     progress.say("warming every method up to estimate how long the rounds take")
-    probe = min(max(options.nprocs), 2 * machine()["usable_cores"])
+    probe = min(max(options.nprocs), 2 * usable_cores())
     with _BareMain(), _Quiet():
         try:
             estimate = warm_up(methods, probe, session, progress)
