@@ -9,7 +9,6 @@ import os
 import py_compile
 import resource
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -968,24 +967,45 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def test_cputime_counts_the_slice_a_running_process_is_in():
-    # A rank that woke and is still on a CPU has spent time since the
-    # snapshot: a reading that stops at its last tick or switch (schedstat)
-    # said 0.0 for a pre-forked floor rank on a CI host.  Read for this very
-    # process after running 3 ms without a syscall, the figure trails the
-    # process's own CPU clock read right after it by the read alone, not by
-    # the time since a tick (up to 1-4 ms with HZ 1000-250).
+def test_cputime_counts_a_process_still_running_when_read():
+    # What the kernel shows of another process's CPU time (its clock,
+    # schedstat) grows at a tick or when it stops running: a rank still on
+    # the other CPU since its wake read as having spent nothing (rank_cpu_s
+    # 0.0 on a CI host).  A child reads its own clock (which brings its
+    # count up to date), says so, runs on without a system call that would
+    # and only then reads it again, says that, and sleeps: the reading
+    # taken as soon as the first figure arrives must count up to the
+    # second.
     if not cputime.available():
         pytest.skip("this kernel refuses CPU clocks or shows no children lists in /proc")
-    trails = []
-    for _ in range(21):
-        end = time.perf_counter() + 0.003  # the vDSO: no syscall, no update
-        while time.perf_counter() < end:
-            pass
-        read = cputime.process_ns(os.getpid())
-        assert read is not None
-        trails.append(time.process_time_ns() - read)
-    assert statistics.median(trails) < 300_000, trails
+    said_r, said_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(go_r, 1)
+            os.write(said_w, time.process_time_ns().to_bytes(8, "little"))
+            end = time.perf_counter() + 0.005  # the vDSO, or a clock that is no CPU's
+            while time.perf_counter() < end:
+                pass
+            os.write(said_w, time.process_time_ns().to_bytes(8, "little"))
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        before = cputime.snapshot()
+        os.write(go_w, b"x")
+        first = int.from_bytes(os.read(said_r, 8), "little")
+        share = cputime.spent(before, cputime.bench_ns(), [pid], [])
+        second = int.from_bytes(os.read(said_r, 8), "little")
+        assert second > first
+        assert share["rank_cpu_s"] is not None
+        assert before.processes[pid] + share["rank_cpu_s"] * 1e9 >= second - 1000  # float rounding
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (said_r, said_w, go_r, go_w):
+            os.close(fd)
 
 
 def test_cputime_counts_a_process_there_before_the_launch_from_the_snapshot_on():

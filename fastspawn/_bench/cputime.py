@@ -1,6 +1,7 @@
 """What a launch cost the machine beside how long it took: the CPU time
 of the processes it involved, from the call to the moment the bench has
-every rank's entry: each process's CPU clock (clock_gettime on the clock
+every rank's entry (the ranks' and helpers': until they are off the CPUs
+after it, below): each process's CPU clock (clock_gettime on the clock
 the kernel keeps for any pid, in ns), found from /proc's children lists.
 
 A snapshot is taken before the launch of the bench itself and of every
@@ -11,10 +12,14 @@ fork's own cost is its parent's: the zygote's, or the bench's for
 multiprocessing's fork).  Processes gone by the second look are not
 counted; a process's threads that ended are.
 
-The clock, not /proc's schedstat: schedstat shows a thread's time up to
-its last tick or switch, so a rank still on the other CPU since its wake
-reads as having spent nothing (a pre-forked floor child, on a CI host);
-the clock adds the slice it is in."""
+Each reading waits until the processes read are off the CPUs (settled):
+the kernel adds a task's time on a CPU to what it shows (its clocks,
+schedstat) at a scheduler tick or when the task stops running, so a rank
+still running since its wake read as having spent up to a tick less, or
+nothing (a pre-forked floor rank on a CI host: rank_cpu_s 0.0; a child
+spinning on the other CPU read 4 ms steps at HZ 250).  The process clock
+adds the reader's own slice only (thread_group_cputime), which is why the
+bench's own time is exact without that wait."""
 
 from __future__ import annotations
 
@@ -90,11 +95,59 @@ def snapshot() -> Snapshot:
     available() first)."""
     me = os.getpid()
     processes: dict[int, int] = {}
-    for pid in descendants(me) or ():
+    below = descendants(me) or []
+    settle(below)
+    for pid in below:
         spent = process_ns(pid)
         if spent is not None:
             processes[pid] = spent
     return Snapshot(bench_ns(), processes)
+
+
+# How long settle() waits for processes to leave the CPUs (s), and how
+# often it looks.
+SETTLE_WITHIN = 0.2
+SETTLE_LOOK = 0.0002
+
+
+def settle(pids: Iterable[int], within: float = SETTLE_WITHIN) -> bool:
+    """Return once none of ``pids``' threads is running or runnable (each
+    in a sleep, stopped, exited or gone), so that what the kernel shows of
+    their CPU time is whole; False if some still were after ``within`` s
+    (their reading then lacks up to a tick of their current slice).
+
+    A thread shows as sleeping a moment before the switch that adds its
+    slice, so the last look is followed by one more pause."""
+    deadline = time.monotonic() + within
+    left = set(pids)
+    while left:
+        left = {pid for pid in left if _running(pid)}
+        if not left:
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(SETTLE_LOOK)
+    time.sleep(SETTLE_LOOK)
+    return True
+
+
+def _running(pid: int) -> bool:
+    """Whether a thread of ``pid`` is running or waits for a CPU (its state
+    in /proc is R); False once it is gone."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        # The state follows the command name, which may hold ") ".
+        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R":
+            return True
+    return False
 
 
 def bench_ns() -> int:
@@ -117,6 +170,7 @@ def spent(
     rank's entry) and their sum."""
     ranks = set(ranks)
     others = set(helpers) - ranks
+    settle(ranks | others)
     shares = [_since(before, ranks), _since(before, others), bench - before.bench]
     seconds: list[float | None] = [sum(shares) / 1e9, *(share / 1e9 for share in shares)]
     if not others:
