@@ -1002,7 +1002,7 @@ def test_cputime_counts_a_process_still_running_when_read():
         assert share["rank_cpu_s"] is not None
         assert before.processes[pid] + share["rank_cpu_s"] * 1e9 >= second - 1000  # float rounding
     finally:
-        os.write(go_w, b"x")
+        os.write(go_w, b"xx")  # both of its waits, however far it got
         os.waitpid(pid, 0)
         for fd in (said_r, said_w, go_r, go_w):
             os.close(fd)
@@ -1042,7 +1042,7 @@ def test_cputime_counts_a_process_there_before_the_launch_from_the_snapshot_on()
         assert share["caller_cpu_s"] is not None and share["caller_cpu_s"] >= 0
         assert share["cpu_s"] == pytest.approx(share["rank_cpu_s"] + share["caller_cpu_s"])
     finally:
-        os.write(go_w, b"x")
+        os.write(go_w, b"xx")  # both of its waits, however far it got
         os.waitpid(pid, 0)
         for fd in (said_r, said_w, go_r, go_w):
             os.close(fd)
