@@ -110,25 +110,20 @@ SETTLE_WITHIN = 0.2
 SETTLE_LOOK = 0.0002
 
 
-def settle(pids: Iterable[int], within: float = SETTLE_WITHIN) -> bool:
+def settle(pids: Iterable[int], within: float = SETTLE_WITHIN) -> None:
     """Return once none of ``pids``' threads is running or runnable (each
     in a sleep, stopped, exited or gone), so that what the kernel shows of
-    their CPU time is whole; False if some still were after ``within`` s
-    (their reading then lacks up to a tick of their current slice).
+    their CPU time is whole, or after ``within`` s (a reading of one still
+    running then lacks up to a tick of its current slice).
 
     A thread shows as sleeping a moment before the switch that adds its
     slice, so the last look is followed by one more pause."""
     deadline = time.monotonic() + within
-    left = set(pids)
-    while left:
-        left = {pid for pid in left if _running(pid)}
-        if not left:
-            break
-        if time.monotonic() >= deadline:
-            return False
+    left = {pid for pid in pids if _running(pid)}
+    while left and time.monotonic() < deadline:
         time.sleep(SETTLE_LOOK)
+        left = {pid for pid in left if _running(pid)}
     time.sleep(SETTLE_LOOK)
-    return True
 
 
 def _running(pid: int) -> bool:
@@ -141,11 +136,10 @@ def _running(pid: int) -> bool:
     for tid in threads:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
+                state = f.read().rsplit(b")", 1)[1].split()[0]  # after the name
         except OSError:
             continue  # ended meanwhile
-        # The state follows the command name, which may hold ") ".
-        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"R":
+        if state == b"R":
             return True
     return False
 
