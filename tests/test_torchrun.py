@@ -359,6 +359,9 @@ class Node:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=60)
+        # Shown only when the test fails (a timeout included): what the
+        # node's launcher and torch's agent said.
+        print(f"== {self.err.name}, exit {self.proc.returncode}\n{self.err.read_text()[-6000:]}")
 
     def lines(self) -> list[str]:
         return self.out.read_text().splitlines()
@@ -433,28 +436,67 @@ def _up(up_dir: Path, node: str, world: int) -> list[list[int]]:
     return rows
 
 
+# The rendezvous store, outside both nodes, so that the killed node takes
+# none of it along.  It marks when it is up and when a first node has
+# joined (torch's c10d backend then replaces its null sentinel with the
+# rendezvous state), and serves until the test kills it or ends.
+STORE = """
+import pathlib, sys, time
+from torch.distributed import TCPStore
+
+port, key, up_dir = int(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True)
+(up_dir / "store").write_text("up")
+deadline = time.monotonic() + float(sys.argv[4])
+while not (store.check([key]) and store.get(key) != b"Y2FuaW1hZGFt"):
+    assert time.monotonic() < deadline, "no node joined"
+    time.sleep(0.05)
+(up_dir / "joined").write_text("joined")
+sys.stdin.read()  # until the test ends it, or ends itself
+"""
+
+
+def _wait_for(path: Path, what: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Until ``path`` exists; fails with ``what`` after NODE_TIMEOUT, or
+    with a process's stderr (a node's) when one of ``procs`` ends first."""
+    deadline = time.monotonic() + NODE_TIMEOUT
+    while not path.exists():
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args[:3]} ended first: {what}"
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
 def test_sigkill_of_one_node_shrinks_the_job(tmp_path):
     pytest.importorskip("torch.distributed")
     prog = write(tmp_path / "prog.py", SHRINK)
     up_dir = tmp_path / "up"
     up_dir.mkdir()
     port = topology.free_port()
-    # Fast failure detection: node b's heartbeats are missed after 2 s, and
-    # the shrunk rendezvous closes 1 s after node a rejoins alone.
-    conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
-    # b first: it waits for a's store, so the first round has both nodes.
-    # a hosts the store, so b's death leaves the rendezvous to a.
-    nodes = {}
-    for name, host in (("b", 0), ("a", 1)):
-        args = [*c10d(port, "1:2", f"{conf},is_host={host}"), "--max-restarts", "1", prog]
-        nodes[name] = Node(tmp_path, name, args, {"UP_DIR": str(up_dir), "NODE": name})
-    a, b = nodes["a"], nodes["b"]
+    key = "torch.rendezvous.test-job"
+    store = subprocess.Popen(
+        [sys.executable, "-c", STORE, str(port), key, str(up_dir), str(NODE_TIMEOUT)],
+        stdin=subprocess.PIPE,
+    )
+    # The node whose join meets the minimum (1) sets the round's last call:
+    # b joins first and its last call is long, so the first round waits for
+    # a however loaded the machine; a's is short, so the shrunk round closes
+    # 1 s after a rejoins alone.  Node b's heartbeats are missed 2 s after
+    # it dies.
+    conf = "keep_alive_interval=1,keep_alive_max_attempt=2,is_host=0,last_call_timeout="
+    nodes: dict[str, Node] = {}
     try:
+        _wait_for(up_dir / "store", "the store did not start", [store])
+        for name, last_call in (("b", NODE_TIMEOUT), ("a", 1)):
+            args = [*c10d(port, "1:2", f"{conf}{last_call}"), "--max-restarts", "1", prog]
+            nodes[name] = Node(tmp_path, name, args, {"UP_DIR": str(up_dir), "NODE": name})
+            if name == "b":
+                procs = [store, nodes["b"].proc]
+                _wait_for(up_dir / "joined", "node b did not join the rendezvous", procs)
+        a, b = nodes["a"], nodes["b"]
         deadline = time.monotonic() + NODE_TIMEOUT
         while len(_up(up_dir, "a", 4)) < 2 or len(_up(up_dir, "b", 4)) < 2:
-            assert a.proc.poll() is None and b.proc.poll() is None, (
-                a.err.read_text() + b.err.read_text()
-            )
+            assert a.proc.poll() is None and b.proc.poll() is None, "a node ended early"
             assert time.monotonic() < deadline, "the 2-node job did not start"
             time.sleep(0.1)
         doomed = {pid for row in _up(up_dir, "b", 4) for pid in row}
@@ -465,10 +507,12 @@ def test_sigkill_of_one_node_shrinks_the_job(tmp_path):
         while not all(gone(pid) for pid in doomed):
             assert time.monotonic() < deadline, [p for p in doomed if not gone(p)]
             time.sleep(0.05)
-        assert a.wait() == 0, a.err.read_text()
+        assert a.wait() == 0, "node a failed"
     finally:
-        a.stop()
-        b.stop()
+        for node in nodes.values():
+            node.stop()  # prints its stderr: shown if the test failed
+        store.kill()
+        store.communicate(timeout=60)  # and closes its stdin
     assert a.lines() == ["done a world 2"] * 2
 
 
