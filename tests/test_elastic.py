@@ -13,7 +13,7 @@ import time
 
 import pytest
 import workers
-from helpers import alive_after, gone, kill_driver
+from helpers import KILL_BOUND_S, alive_after, gone, kill_driver
 
 from fastspawn import elastic
 from fastspawn.elastic import Std
@@ -451,7 +451,7 @@ def test_sigkill_of_parent_kills_ranks_and_their_children(tmp_path):
     finally:
         kill_driver(driver)
     alive = alive_after(pids)
-    assert alive == [], f"alive 1 s after SIGKILL of the launcher: {alive}"
+    assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the launcher: {alive}"
 
 
 # ------------------------------------------------------- close, then wait

@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 
 import pytest
 import workers
-from helpers import alive_after, gone, kill_driver, run_script
+from helpers import KILL_BOUND_S, alive_after, gone, kill_driver, run_script
 
 import fastspawn
 import fastspawn._launch.methods.common
@@ -64,7 +64,7 @@ def test_sigkill_of_parent_kills_every_worker(start_method):
     finally:
         kill_driver(driver)
     alive = alive_after(pids)
-    assert alive == [], f"workers alive 1 s after SIGKILL of their parent: {alive}"
+    assert alive == [], f"workers alive {KILL_BOUND_S:g} s after SIGKILL of their parent: {alive}"
 
 
 WARDEN_DRIVER = """
@@ -96,7 +96,7 @@ def test_sigkill_of_parent_kills_workers_children_too(start_method):
     finally:
         kill_driver(driver)
     alive = alive_after(pids + [warden])
-    assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
+    assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the caller: {alive}"
 
 
 def test_replaced_warden_watches_earlier_launches_too():
@@ -133,7 +133,7 @@ def test_replaced_warden_watches_earlier_launches_too():
     finally:
         kill_driver(driver)
     alive = alive_after(pids + [warden])
-    assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
+    assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the caller: {alive}"
 
 
 # Seconds of waiting by design, in fastspawn's own code and the kernel's: one
@@ -164,7 +164,7 @@ def test_caller_that_execs_still_takes_its_workers_children(start_method):
     finally:
         kill_driver(driver)
     alive = alive_after(pids)
-    assert alive == [], f"alive 1 s after the exec'd caller exited: {alive}"
+    assert alive == [], f"alive {KILL_BOUND_S:g} s after the exec'd caller exited: {alive}"
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

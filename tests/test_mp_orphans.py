@@ -2,9 +2,10 @@
 the caller (or of the zygote, whose children the workers are) leaves no
 Pool worker, executor worker, DataLoader worker (one blocked in a dataset
 call, one blocked writing to a full pipe) or ``ctx.Process`` child (nor a
-Process it started), nor any of their own children, 1 s later; on every
-method the contexts offer.  While the caller lives, a Process that ended
-leaves its own processes running, as multiprocessing does."""
+Process it started), nor any of their own children (within
+helpers.KILL_BOUND_S); on every method the contexts offer.  While the
+caller lives, a Process that ended leaves its own processes running, as
+multiprocessing does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import alive_after, gone, kill_driver
+from helpers import KILL_BOUND_S, alive_after, gone, kill_driver
 
 # The kill chain is the kernel's and fastspawn's, the same under every
 # CPython: CI runs these (about 70 s) on one version (.ci/run).
@@ -173,7 +174,9 @@ def test_sigkill_of_caller_leaves_no_worker_nor_its_child(tmp_path, kind, method
     finally:
         kill_driver(driver)
     alive = alive_after(pids)
-    assert alive == [], f"alive 1 s after SIGKILL of the caller ({kind}, {method}): {alive}"
+    assert alive == [], (
+        f"alive {KILL_BOUND_S:g} s after SIGKILL of the caller ({kind}, {method}): {alive}"
+    )
 
 
 @pytest.mark.parametrize("method", ["fastspawn", "fastspawn-forkserver"])
@@ -187,7 +190,9 @@ def test_sigkill_of_zygote_leaves_no_worker_nor_its_child(tmp_path, kind, method
         assert not any(gone(pid) for pid in pids), "a worker or its child ended before the kill"
         os.kill(zygote, signal.SIGKILL)
         alive = alive_after(pids)
-        assert alive == [], f"alive 1 s after SIGKILL of the zygote ({kind}, {method}): {alive}"
+        assert alive == [], (
+            f"alive {KILL_BOUND_S:g} s after SIGKILL of the zygote ({kind}, {method}): {alive}"
+        )
     finally:
         kill_driver(driver)
 
@@ -199,14 +204,14 @@ def test_processes_of_an_ended_process_live_while_the_caller_does(tmp_path, meth
     zygote's contexts the Process comes from the zygote, and the sleep is an
     orphan the zygote keeps; with fork and spawn both stay in the worker's
     process group, which the caller's warden watches until it is empty).
-    SIGKILL of the caller then leaves none of them, 1 s later."""
+    SIGKILL of the caller then leaves none of them."""
     driver, pids, _zygote = _driver(tmp_path, "parent-ended", method)
     try:
         assert len(pids) == 6, f"the driver did not report every process: {pids}"
-        time.sleep(1.0)  # as long as a kill is given to land, below
+        time.sleep(1.0)  # a wrong kill would have landed by now
         dead = sorted(pid for pid in pids if gone(pid))
         assert dead == [], f"killed while the caller lives ({method}): {dead}"
     finally:
         kill_driver(driver)
     alive = alive_after(pids)
-    assert alive == [], f"alive 1 s after SIGKILL of the caller ({method}): {alive}"
+    assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the caller ({method}): {alive}"

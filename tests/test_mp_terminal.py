@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import alive_after
+from helpers import KILL_BOUND_S, alive_after
 
 # CI runs these on one Python version (.ci/run): the 30-minute budget.
 pytestmark = pytest.mark.version_neutral
@@ -121,4 +121,6 @@ def test_sigkill_of_a_foreground_caller_leaves_no_process(tmp_path, method):
     report, (worker, child, _group) = _run(tmp_path, method, "kill")
     assert report[0] == "ready", report
     alive = alive_after([worker, child])
-    assert alive == [], f"alive 1 s after SIGKILL of a foreground caller ({method}): {alive}"
+    assert alive == [], (
+        f"alive {KILL_BOUND_S:g} s after SIGKILL of a foreground caller ({method}): {alive}"
+    )

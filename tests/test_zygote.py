@@ -16,7 +16,7 @@ import time
 
 import pytest
 import workers
-from helpers import alive_after, gone, kill_driver, run_script
+from helpers import KILL_BOUND_S, alive_after, gone, kill_driver, run_script
 
 import fastspawn
 from fastspawn._os import hugepages
@@ -75,7 +75,7 @@ def test_sigkill_of_caller_kills_workers_and_their_children(daemons):
     driver, guard, zygote, pids = start_driver(daemons)
     kill_driver(driver)
     alive = alive_after(pids + [guard, zygote])
-    assert alive == [], f"alive 1 s after SIGKILL of the caller: {alive}"
+    assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the caller: {alive}"
 
 
 # The zygote proper (the workers' parent), and the process the caller
@@ -88,7 +88,7 @@ def test_sigkill_of_zygote_kills_workers_and_their_children(victim, daemons):
     try:
         os.kill(zygote if victim == "zygote" else guard, signal.SIGKILL)
         alive = alive_after(pids + [guard, zygote])
-        assert alive == [], f"alive 1 s after SIGKILL of the {victim}: {alive}"
+        assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the {victim}: {alive}"
         assert driver.stdout is not None
         line = driver.stdout.readline()  # the caller raised rather than hung
         assert line.startswith("raised ProcessExitedException"), line
@@ -148,8 +148,8 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
             assert time.monotonic() < deadline + 30, "the zygote did not start the import"
             time.sleep(0.05)
         os.kill(guard, signal.SIGKILL)
-        alive = alive_after(pids + [zygote, *taking], 2.0)
-        assert alive == [], f"alive 2 s after SIGKILL of the guard: {alive}"
+        alive = alive_after(pids + [zygote, *taking])
+        assert alive == [], f"alive {KILL_BOUND_S:g} s after SIGKILL of the guard: {alive}"
         thread.join(30)
         assert not thread.is_alive()
         assert len(outcome) == 1, outcome
