@@ -456,13 +456,14 @@ sys.stdin.read()  # until the test ends it, or ends itself
 """
 
 
-def _wait_for(path: Path, what: str, procs: list[subprocess.Popen[bytes]]) -> None:
-    """Until ``path`` exists; fails with ``what`` after NODE_TIMEOUT, or
-    with a process's stderr (a node's) when one of ``procs`` ends first."""
+def _wait_for(path: Path, what: str, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Until ``path`` exists; fails with ``what`` after NODE_TIMEOUT, or at
+    once, naming it, when one of ``procs`` (by name) ends first (a node's
+    stderr then comes from Node.stop)."""
     deadline = time.monotonic() + NODE_TIMEOUT
     while not path.exists():
-        for proc in procs:
-            assert proc.poll() is None, f"{proc.args[:3]} ended first: {what}"
+        for name, proc in procs.items():
+            assert proc.poll() is None, f"{what}: {name} ended first ({proc.returncode})"
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
 
@@ -486,12 +487,12 @@ def test_sigkill_of_one_node_shrinks_the_job(tmp_path):
     conf = "keep_alive_interval=1,keep_alive_max_attempt=2,is_host=0,last_call_timeout="
     nodes: dict[str, Node] = {}
     try:
-        _wait_for(up_dir / "store", "the store did not start", [store])
+        _wait_for(up_dir / "store", "the store did not start", {"the store": store})
         for name, last_call in (("b", NODE_TIMEOUT), ("a", 1)):
             args = [*c10d(port, "1:2", f"{conf}{last_call}"), "--max-restarts", "1", prog]
             nodes[name] = Node(tmp_path, name, args, {"UP_DIR": str(up_dir), "NODE": name})
             if name == "b":
-                procs = [store, nodes["b"].proc]
+                procs = {"the store": store, "node b": nodes["b"].proc}
                 _wait_for(up_dir / "joined", "node b did not join the rendezvous", procs)
         a, b = nodes["a"], nodes["b"]
         deadline = time.monotonic() + NODE_TIMEOUT
