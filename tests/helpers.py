@@ -50,10 +50,10 @@ def kill_driver(driver: subprocess.Popen[str]) -> None:
 KILL_BOUND_S = 5.0
 
 
-def alive_after(pids: list[int], seconds: float = KILL_BOUND_S) -> list[str]:
-    """The ``pids`` still alive once all are gone or ``seconds`` passed,
+def alive_after(pids: list[int]) -> list[str]:
+    """The ``pids`` still alive once all are gone or KILL_BOUND_S passed,
     each as "pid (name, status)"; [] as soon as none is."""
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + KILL_BOUND_S
     while True:
         alive = [pid for pid in pids if not gone(pid)]
         if not alive or time.monotonic() > deadline:
