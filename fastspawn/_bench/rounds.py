@@ -136,6 +136,7 @@ def python_round(
         record["rank_entry_s"] = [entries[rank] - t0 for rank in range(nprocs)]
         record["rank_exit_s"] = [exits[rank] - t0 for rank in range(nprocs)]
     session.live.remove(launched)
+    method.settle(nprocs)
     return record
 
 
