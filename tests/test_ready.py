@@ -617,3 +617,19 @@ def test_each_rank_from_a_ready_worker_gets_its_own_environment(no_background_re
         2: {"FASTSPAWN_TEST_RANK_VAR": "rank 2"},
     }
     assert set(ctx.pids()[:2]) == ready
+
+
+def test_omp_num_threads_sizes_torchs_pool_in_ranks_from_ready_workers(
+    no_background_refill, monkeypatch
+):
+    """torch read OMP_NUM_THREADS when the zygote imported it; a rank from
+    a ready worker runs with the value its launch gives it (the caller's,
+    set after prefork, or the rank's own), as a rank forked at launch does."""
+    pytest.importorskip("torch")
+    fastspawn.start_processes(workers.succeed, nprocs=1, preload=["torch"])  # the zygote's import
+    ready = prefork(3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    envs = {0: {"OMP_NUM_THREADS": "1"}, 3: {"OMP_NUM_THREADS": "2"}}
+    ctx = fastspawn.start_processes(workers.torch_threads, nprocs=4, envs=envs, preload=["torch"])
+    assert ctx.return_values == {0: ("1", 1), 1: ("3", 3), 2: ("3", 3), 3: ("2", 2)}
+    assert set(ctx.pids()[:3]) == ready

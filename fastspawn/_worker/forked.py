@@ -83,9 +83,13 @@ def torch_threads_to_match(envs: Mapping[int, Mapping[str, str]]) -> bool:
     """Whether workers of a launch may need _match_torch_threads: torch is
     loaded here and OMP_NUM_THREADS is set for them (in this process's
     environment, which they inherit, or in a rank's own)."""
-    if "torch" not in sys.modules:
-        return False
-    return "OMP_NUM_THREADS" in os.environ or any("OMP_NUM_THREADS" in e for e in envs.values())
+    return "torch" in sys.modules and omp_threads_set(os.environ, envs)
+
+
+def omp_threads_set(environ: Mapping[str, str], envs: Mapping[int, Mapping[str, str]]) -> bool:
+    """Whether OMP_NUM_THREADS is set for a launch's workers: in the
+    environment they have (``environ``) or in a rank's own (``envs``)."""
+    return "OMP_NUM_THREADS" in environ or any("OMP_NUM_THREADS" in e for e in envs.values())
 
 
 def _match_torch_threads() -> None:
@@ -132,7 +136,8 @@ class ForkSpec:
         channel: ``channel_identity(tx)``.
         match_torch_threads: ``torch_threads_to_match(envs)``, decided once
             before forking (reading the environment in every worker, a
-            KeyError and all, cost 150 us a worker with torch loaded).
+            KeyError and all, cost 150 us a worker with torch loaded); a
+            ready worker's is given (see wake.Brief).
         stacks: what each worker does of the stack dump itself: None
             nothing (born armed, or stacks off), True arm_stacks, False
             disarm_stacks (see ForkStacks.in_worker).
@@ -177,6 +182,7 @@ class ForkSpec:
         process_state: dict[str, Any] | None = None,
         from_zygote: bool = False,
         stacks: bool | None = None,
+        match_torch_threads: bool | None = None,
     ) -> None:
         self.parent = parent
         self.fn = fn
@@ -190,7 +196,9 @@ class ForkSpec:
         self.process_state = process_state
         self.from_zygote = from_zygote
         self.channel = channel_identity(tx)
-        self.match_torch_threads = torch_threads_to_match(envs)
+        if match_torch_threads is None:
+            match_torch_threads = torch_threads_to_match(envs)
+        self.match_torch_threads = match_torch_threads
         self.stacks = stacks
         self.parent_death_armed = False
         self.die_with_parent = True

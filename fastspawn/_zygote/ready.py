@@ -37,8 +37,8 @@ caller without a limit of its own asks.  New modules in the zygote
 
 from __future__ import annotations
 
+import marshal
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -391,9 +391,7 @@ class ReadyPool:
         our end of its socketpair, its assignment and the fds that go with
         it; None (and none taken) if the assignment would be too large."""
         header = ranks.header
-        own_env = (
-            pickle.dumps(header.envs.get(rank), pickle.HIGHEST_PROTOCOL) if header.envs else b""
-        )
+        own_env = marshal.dumps(header.envs.get(rank)) if header.envs else b""
         if ASSIGN.size + len(ranks.brief) + len(own_env) > MAX_ASSIGN:
             return None
         pid = next(iter(self.waiting))
@@ -477,7 +475,7 @@ class Ranks:
     its channel, its payload and the fds its arguments carry (``fds``); its
     stdio and links; whether the zygote holds the caller's environment, cwd
     and sys.path now (``same_state``: launch.holds_caller_state); its Brief,
-    pickled once."""
+    encoded once."""
 
     def __init__(
         self,
@@ -492,7 +490,7 @@ class Ranks:
         self.stdio = stdio
         self.links = links
         self.same_state = same_state
-        self.brief = Brief(header).encode()
+        self.brief = Brief.of(header).encode()
 
     def fds_of(self, rank: int) -> tuple[list[int], int]:
         """The fds of ``rank``'s assignment (the launch's channel, payload
