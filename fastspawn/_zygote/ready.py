@@ -37,6 +37,7 @@ caller without a limit of its own asks.  New modules in the zygote
 
 from __future__ import annotations
 
+import array
 import marshal
 import os
 import signal
@@ -66,6 +67,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import Any
+
+    # sendmsg's ancillary data: here the fds of an assignment (SCM_RIGHTS).
+    Ancillary = list[tuple[int, int, bytes]]
 
 # A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
 # caller's leak checks tell it from a worker (client.helper_processes).
@@ -325,11 +329,11 @@ class ReadyPool:
             taken = self._take(ranks, len(pids))
             if taken is None:
                 break  # a preload list that large: the ranks are forked
-            pid, ours, message, sent = taken
+            pid, ours, message, rights = taken
             try:
                 if group:
                     os.setpgid(pid, group)
-                socket.send_fds(ours, message, sent)
+                ours.sendmsg(message, rights)
             except OSError:
                 _kill(pid)  # our unreaped child: the pid is its own
                 continue
@@ -351,7 +355,7 @@ class ReadyPool:
         If too few are left to take every rank (some were dead), those
         taken are woken in turn, up to the first that cannot be."""
         nprocs = ranks.header.nprocs
-        taken: list[tuple[int, socket.socket, list[bytes], list[int]]] = []
+        taken: list[tuple[int, socket.socket, list[bytes], Ancillary]] = []
         while self.waiting and len(taken) < nprocs:
             one = self._take(ranks, len(taken))
             if one is None:
@@ -370,12 +374,12 @@ class ReadyPool:
         pids = [pid for pid, _ours, _message, _sent in taken]
         all_taken = len(pids) == nprocs
         wake = not all_taken or report(pids)
-        for index, (pid, ours, message, sent) in enumerate(taken):
+        for index, (pid, ours, message, rights) in enumerate(taken):
             try:
                 if index >= len(pids):
                     _kill(pid)  # after one that could not be woken: its rank is forked
                 elif wake:
-                    socket.send_fds(ours, message, sent)
+                    ours.sendmsg(message, rights)
             except OSError:
                 _kill(pid)  # reported: its rank ends so; else forked
                 if not all_taken:
@@ -386,10 +390,11 @@ class ReadyPool:
 
     def _take(
         self, ranks: Ranks, rank: int
-    ) -> tuple[int, socket.socket, list[bytes], list[int]] | None:
+    ) -> tuple[int, socket.socket, list[bytes], Ancillary] | None:
         """The oldest ready worker, out of the pool, for ``rank``: its pid,
         our end of its socketpair, its assignment and the fds that go with
-        it; None (and none taken) if the assignment would be too large."""
+        it (sendmsg's ancillary data); None (and none taken) if the
+        assignment would be too large."""
         header = ranks.header
         own_env = marshal.dumps(header.envs.get(rank)) if header.envs else b""
         if ASSIGN.size + len(ranks.brief) + len(own_env) > MAX_ASSIGN:
@@ -398,11 +403,11 @@ class ReadyPool:
         ours = self.waiting.pop(pid)
         self.spend(self.theirs.pop(pid))
         same = self.born.pop(pid) == self.generation and ranks.same_state
-        sent, flags = ranks.fds_of(rank)
+        rights, flags = ranks.fds_of(rank)
         flags |= SAME_STATE if same else 0
         taken = time.monotonic_ns()  # before its pid can reach the caller
         head = ASSIGN.pack(rank, len(ranks.fds[2]), flags, len(ranks.brief), taken)
-        return pid, ours, [head + ranks.brief + own_env], sent
+        return pid, ours, [head + ranks.brief + own_env], rights
 
     @staticmethod
     def dup_fds(fds: Sequence[int]) -> list[int] | None:
@@ -491,11 +496,18 @@ class Ranks:
         self.links = links
         self.same_state = same_state
         self.brief = Brief.of(header).encode()
+        self.shared_fds: tuple[Ancillary, int] | None = None
 
-    def fds_of(self, rank: int) -> tuple[list[int], int]:
+    def fds_of(self, rank: int) -> tuple[Ancillary, int]:
         """The fds of ``rank``'s assignment (the launch's channel, payload
-        and argument fds, then its own stdio, the caller's stdin, its link)
-        and the flags that say which of the optional ones follow."""
+        and argument fds, then its own stdio, the caller's stdin, its link),
+        as sendmsg's ancillary data, and the flags that say which of the
+        optional ones follow.  Made once for all the ranks without stdio or
+        a link of their own: the zygote's loop over the workers it wakes
+        runs while the first of them already take the cores."""
+        shared = rank not in self.stdio.by_rank and not self.links
+        if shared and self.shared_fds is not None:
+            return self.shared_fds
         tx, payload, user_fds = self.fds
         sent, flags = [tx, payload, *user_fds], 0
         own, _unused = self.stdio.for_rank(rank)
@@ -509,7 +521,10 @@ class Ranks:
         if self.links:
             sent.append(self.links[2 * rank + 1].fileno())
             flags |= LINK
-        return sent, flags
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent).tobytes())]
+        if shared:
+            self.shared_fds = rights, flags
+        return rights, flags
 
 
 def _exited(pid: int) -> bool:
