@@ -95,15 +95,17 @@ class _PayloadFile(io.RawIOBase):
         super().close()
 
 
-def read_payload(fd: int, keep_open: bool = False) -> IO[bytes]:
+def read_payload(fd: int, keep_open: bool = False, size: int = -1) -> IO[bytes]:
     """The payload memfd as a file at the start of its work, never moving
     the memfd's offset (which its other holders share).  Up to 64 KiB (a
     launch's header and a small fn and args) it is read whole, at once; a
     larger one is read as it is unpickled, so that a large argument goes from the memfd into its
     unpickled object, not through a copy of the whole payload first.
     Closing it closes ``fd`` unless ``keep_open``: then the caller does,
-    after its last read."""
-    size = os.fstat(fd).st_size
+    after its last read.  ``size``: the memfd's, where known (else an
+    fstat asks)."""
+    if size < 0:
+        size = os.fstat(fd).st_size
     if size > READ_WHOLE:
         return io.BufferedReader(_PayloadFile(fd, not keep_open), buffer_size=READ_WHOLE)
     try:

@@ -133,7 +133,8 @@ class ForkSpec:
             worker's own atexit handlers run at its exit.  A zygote worker's
             stdin (/dev/null) and ``multiprocessing.parent_process()`` (the
             caller) are the zygote's already.
-        channel: ``channel_identity(tx)``.
+        channel: ``channel_identity(tx)`` (a ready worker's is given: see
+            wake.Brief).
         match_torch_threads: ``torch_threads_to_match(envs)``, decided once
             before forking (reading the environment in every worker, a
             KeyError and all, cost 150 us a worker with torch loaded); a
@@ -183,6 +184,7 @@ class ForkSpec:
         from_zygote: bool = False,
         stacks: bool | None = None,
         match_torch_threads: bool | None = None,
+        channel: tuple[int, int] | None = None,
     ) -> None:
         self.parent = parent
         self.fn = fn
@@ -195,7 +197,7 @@ class ForkSpec:
         self.stdin = stdin
         self.process_state = process_state
         self.from_zygote = from_zygote
-        self.channel = channel_identity(tx)
+        self.channel = channel_identity(tx) if channel is None else channel
         if match_torch_threads is None:
             match_torch_threads = torch_threads_to_match(envs)
         self.match_torch_threads = match_torch_threads

@@ -495,7 +495,7 @@ class Ranks:
         self.stdio = stdio
         self.links = links
         self.same_state = same_state
-        self.brief = Brief.of(header).encode()
+        self.brief = Brief.of(header, fds[0], fds[1]).encode()
         self.shared_fds: tuple[Ancillary, int] | None = None
 
     def fds_of(self, rank: int) -> tuple[Ancillary, int]:
