@@ -124,14 +124,16 @@ class ProcessContext:
         self._unjudged: list[Process] = []
         self._waiter.add(receiver.fileno(), _CHANNEL)
         self._channel_watched = True
+        # Weakly: a context dropped once its workers were reaped through
+        # their Process objects is freed (and its fds closed) at once, not
+        # when a cyclic collection comes round.  One reference for all (the
+        # caller builds this while the ranks come up).
+        forget = weakref.WeakMethod(self._forget)
         for proc in processes:
             self._waiter.add(proc.sentinel, proc.rank)
             self._watched.add(proc.rank)
             self._pending[proc.rank] = proc
-            # Weakly: a context dropped once its workers were reaped through
-            # their Process objects is freed (and its fds closed) at once,
-            # not when a cyclic collection comes round.
-            proc.on_close = weakref.WeakMethod(self._forget)
+            proc.on_close = forget
         self._open_pidfds = len(processes)  # closed by _forget, one by one
         self._join_lock = threading.Lock()
         self._join_owner: int | None = None  # the thread that holds it
