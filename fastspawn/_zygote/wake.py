@@ -54,7 +54,7 @@ _setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal
 # which optional fds follow those, the length of the launch's Brief, when
 # the zygote took the worker (its CLOCK_MONOTONIC, ns: see
 # _note_interrupt); then the Brief and, if the launch has per-rank
-# environments, the rank's (pickled).  MAX_ASSIGN at most.
+# environments, the rank's (marshalled).  MAX_ASSIGN at most.
 ASSIGN = struct.Struct("=iiBIq")
 MAX_ASSIGN = 65536
 OUT, ERR, IN, LINK = 1, 2, 4, 8
