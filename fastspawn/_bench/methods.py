@@ -256,7 +256,12 @@ class FastspawnMethod(Method):
         if self.state == "warm":
             fastspawn.prefork(0, refill=False)
         elif self.state == "ready":
-            fastspawn.prefork(nprocs)
+            # Made now, as the pre-forked floors make their children: none
+            # left from an earlier round, idle (and colder) since, and none
+            # made again in the background after this round's launch, where
+            # it would share the cores with the next round's.
+            fastspawn.prefork(0, refill=False)
+            fastspawn.prefork(nprocs, refill=False)
         elif self.state == "refilled":
             fastspawn.prefork(0)  # none ready: the background's only
             fastspawn.start_processes(
@@ -265,12 +270,13 @@ class FastspawnMethod(Method):
             _await_ready(method, nprocs)
 
     def settle(self, nprocs: int) -> None:
-        # Ready workers taken by a launch are made ready again in the
-        # background once it has ended; left to it, that shared the cores
-        # with the next round's timed launch (a floor's, as the rounds are
-        # ordered: 16% of the CPU samples there, 5 rounds of 64 ranks with
-        # torch preloaded, perf, AMD EPYC).
-        if self.state in ("ready", "refilled"):
+        # The refilled row's workers, taken by its launch, are made ready
+        # again in the background once it has ended; left to it, that shared
+        # the cores with the next round's timed launch (a floor's, as the
+        # rounds are ordered: the ready row's refill, when it had one, was
+        # 16% of the CPU samples there, 5 rounds of 64 ranks with torch
+        # preloaded, perf, AMD EPYC).
+        if self.state == "refilled":
             _await_ready(self, nprocs)
 
     def launch(self, nprocs: int, spec: RankSpec, session: Session) -> Launched:
