@@ -293,7 +293,10 @@ def test_interrupt_stops_every_rank(tmp_path, sig):
             run.kill()
             run.communicate()
     assert run.returncode == 128 + sig
-    assert f"got {signal.Signals(sig).name}, stopping every rank" in err
+    # "stopping every rank" once the launch is through; "stopping" where
+    # the signal came as it finished (the ranks run before the launcher
+    # has them all: seen under CI's load), which stops them all too.
+    assert f"fastspawn run: got {signal.Signals(sig).name}, stopping" in err
     deadline = time.monotonic() + 5
     while not all(gone(pid) for pid in pids):
         assert time.monotonic() < deadline, "ranks or their children survived"

@@ -38,15 +38,12 @@ _LIMITS = (
 def _umask() -> int:
     """This process's umask, read without changing it (os.umask would leave
     another thread a moment with the wrong one).  Every launch reads it:
-    through os.read and a search of the bytes, not a text file's lines, it
-    took 151 us instead of 326 (the first read after a pause; 22 against 43
-    in a loop; AMD EPYC)."""
+    from a raw file, searching its bytes, not a text file's lines (224 us
+    after a pause instead of 328, AMD EPYC; a file object, not a bare fd:
+    a Ctrl-C between an os.open and its try would leak the fd)."""
     try:
-        fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            status = os.read(fd, 1 << 16)
-        finally:
-            os.close(fd)
+        with open("/proc/self/status", "rb", buffering=0) as f:
+            status = f.read(1 << 16)
         start = status.find(b"\nUmask:") + len(b"\nUmask:")
         if start >= len(b"\nUmask:"):
             return int(status[start : status.index(b"\n", start)], 8)
