@@ -44,9 +44,9 @@ def _umask() -> int:
     try:
         with open("/proc/self/status", "rb", buffering=0) as f:
             status = f.read(1 << 16)
-        start = status.find(b"\nUmask:") + len(b"\nUmask:")
-        if start >= len(b"\nUmask:"):
-            return int(status[start : status.index(b"\n", start)], 8)
+        _before, found, rest = status.partition(b"\nUmask:")
+        if found:
+            return int(rest.split(b"\n", 1)[0], 8)
     except (OSError, ValueError):
         pass
     mask = os.umask(0o077)  # kernels before 4.7: briefly the strictest one

@@ -133,7 +133,7 @@ class ForkSpec:
             worker's own atexit handlers run at its exit.  A zygote worker's
             stdin (/dev/null) and ``multiprocessing.parent_process()`` (the
             caller) are the zygote's already.
-        channel: ``channel_identity(tx)`` (a ready worker's is given: see
+        channel: ``channel_identity(tx.fileno())`` (a ready worker's is given: see
             wake.Brief).
         match_torch_threads: ``torch_threads_to_match(envs)``, decided once
             before forking (reading the environment in every worker, a
@@ -197,7 +197,7 @@ class ForkSpec:
         self.stdin = stdin
         self.process_state = process_state
         self.from_zygote = from_zygote
-        self.channel = channel_identity(tx) if channel is None else channel
+        self.channel = channel_identity(tx.fileno()) if channel is None else channel
         if match_torch_threads is None:
             match_torch_threads = torch_threads_to_match(envs)
         self.match_torch_threads = match_torch_threads

@@ -158,10 +158,11 @@ def stat_is(fd: int, dev: int, ino: int) -> bool:
     return stat.st_dev == dev and stat.st_ino == ino
 
 
-def channel_identity(tx: socket.socket) -> tuple[int, int]:
-    """(st_dev, st_ino) of a report channel: what _report checks its fd
-    still is.  Taken once per launch by the forking process."""
-    stat = os.fstat(tx.fileno())
+def channel_identity(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of a report channel's ``fd``: what _report checks
+    the fd still is.  Taken once per launch by the forking process (the
+    zygote, for its ready workers too: wake.Brief)."""
+    stat = os.fstat(fd)
     return stat.st_dev, stat.st_ino
 
 
@@ -189,7 +190,7 @@ def run(
     return.  The rank's own exit status decides how the rank ended.
     """
     if channel is None:
-        channel = channel_identity(tx)
+        channel = channel_identity(tx.fileno())
     rank_pid = os.getpid()
     signum = 0
     code = 0

@@ -286,7 +286,6 @@ class Brief:
     def of(cls, header: protocol.LaunchHeader, tx: int, payload: int) -> Brief:
         """The Brief of the launch of ``header``, ``tx`` and ``payload``
         its channel's and payload's fds."""
-        channel = os.fstat(tx)  # as runner.channel_identity
         return cls(
             header.daemon,
             header.process_state,
@@ -296,7 +295,7 @@ class Brief:
             list(header.preload),
             header.cwd,
             worker_forked.omp_threads_set(header.env, header.envs),
-            (channel.st_dev, channel.st_ino),
+            runner.channel_identity(tx),
             os.fstat(payload).st_size,
         )
 
