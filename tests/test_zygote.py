@@ -434,16 +434,55 @@ def test_caller_cwd_reaches_workers(tmp_path, monkeypatch):
 
 def test_environ_is_compares_the_environment_as_os_environ_holds_it(monkeypatch):
     """What tells the zygote and ready workers whether a launch's
-    environment is theirs already (a byte no encoding decodes included, as
-    os.environ keeps it)."""
+    environment is theirs already: the bytes os.environ holds (a byte no
+    encoding decodes included), as a launch's header carries them."""
     monkeypatch.setenv("FASTSPAWN_TEST_ENV", "caf\udcc3")
-    env = dict(os.environ)
+    env = protocol.environ_bytes(os.environ)
+    assert env[b"FASTSPAWN_TEST_ENV"] == b"caf\xc3"
     assert environ_is(env)
-    assert not environ_is({**env, "FASTSPAWN_TEST_OTHER": "1"})
-    assert not environ_is({**env, "FASTSPAWN_TEST_ENV": "cafe"})
-    assert not environ_is({**env, "FASTSPAWN_TEST_ENV": "\ud800"})  # no byte is that
-    del env["FASTSPAWN_TEST_ENV"]
+    assert environ_is(protocol.environ_bytes(dict(os.environ)))  # from str, encoded alike
+    assert not environ_is({**env, b"FASTSPAWN_TEST_OTHER": b"1"})
+    assert not environ_is({**env, b"FASTSPAWN_TEST_ENV": b"cafe"})
+    del env[b"FASTSPAWN_TEST_ENV"]
     assert not environ_is(env)
+
+
+def test_a_launch_header_carries_the_environment_as_bytes_and_reads_back_the_same(monkeypatch):
+    """The header's environment, made from os.environ or from a mapping of
+    strings, is the bytes os.environ holds, and decodes as it was encoded."""
+    import io
+    import pickle
+
+    from fastspawn._wire import payload as wire_payload
+
+    monkeypatch.setenv("FASTSPAWN_TEST_ENV", "caf\udcc3")
+    fields = dict(
+        nprocs=2,
+        daemon=False,
+        preload=["json"],
+        sys_path=sys.path,
+        cwd=os.getcwd(),
+        envs={1: {"RANK_ONLY": "1"}},
+        process_group=True,
+        process_state={},
+        tracker_index=None,
+        user_fds=0,
+        stdio_slots=[(1, 2)],
+        default_stdio=2,
+    )
+    header = protocol.LaunchHeader(env=os.environ, **fields)
+    assert header.env == protocol.LaunchHeader(env=dict(os.environ), **fields).env
+    assert header.env[b"FASTSPAWN_TEST_ENV"] == b"caf\xc3"
+    file = io.BytesIO(pickle.dumps(("fn", ())))
+    work_size = len(file.getvalue())
+    file.seek(0, io.SEEK_END)
+    trailer = header.encode()
+    file.write(trailer + wire_payload._LENGTH.pack(len(trailer)))
+    decoded, size = protocol.LaunchHeader.decode(file)
+    assert size == work_size
+    assert {name: getattr(decoded, name) for name in protocol.LaunchHeader.__slots__} == {
+        name: getattr(header, name) for name in protocol.LaunchHeader.__slots__
+    }
 
 
 def test_zygote_ignores_terminal_interrupt():

@@ -83,13 +83,14 @@ def torch_threads_to_match(envs: Mapping[int, Mapping[str, str]]) -> bool:
     """Whether workers of a launch may need _match_torch_threads: torch is
     loaded here and OMP_NUM_THREADS is set for them (in this process's
     environment, which they inherit, or in a rank's own)."""
-    return "torch" in sys.modules and omp_threads_set(os.environ, envs)
+    return "torch" in sys.modules and omp_threads_set("OMP_NUM_THREADS" in os.environ, envs)
 
 
-def omp_threads_set(environ: Mapping[str, str], envs: Mapping[int, Mapping[str, str]]) -> bool:
+def omp_threads_set(inherited: bool, envs: Mapping[int, Mapping[str, str]]) -> bool:
     """Whether OMP_NUM_THREADS is set for a launch's workers: in the
-    environment they have (``environ``) or in a rank's own (``envs``)."""
-    return "OMP_NUM_THREADS" in environ or any("OMP_NUM_THREADS" in e for e in envs.values())
+    environment they have (``inherited``, as its holder has looked) or in a
+    rank's own (``envs``)."""
+    return inherited or any("OMP_NUM_THREADS" in e for e in envs.values())
 
 
 def _match_torch_threads() -> None:

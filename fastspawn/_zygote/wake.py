@@ -294,7 +294,7 @@ class Brief:
             header.line_buffered,
             list(header.preload),
             header.cwd,
-            worker_forked.omp_threads_set(header.env, header.envs),
+            worker_forked.omp_threads_set(b"OMP_NUM_THREADS" in header.env, header.envs),
             runner.channel_identity(tx),
             os.fstat(payload).st_size,
         )
