@@ -129,6 +129,25 @@ class _StopSignals:
             self.closed = True
 
 
+def first_signal(exc: elastic.SignalException) -> signal.Signals:
+    """The stop signal that came first.  Before the launcher's own handlers
+    are in place (_StopSignals), each signal raises: one that comes while
+    the first one's exception is handled (the start of the ranks stopping
+    what it had started, a Ctrl-C beside a wrapper's SIGTERM) raises again
+    from there, and its exception, which Python chains to the first one's
+    (``__context__``), is the one that arrives here.  The first decides the
+    exit status, as once the handlers are in place."""
+    first = exc.sigval
+    seen: set[int] = set()
+    cause: BaseException | None = exc.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, elastic.SignalException):
+            first = cause.sigval
+        cause = cause.__context__
+    return first
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         program = program_of(args)
@@ -286,8 +305,9 @@ def _run_attempts(
     except elastic.SignalException as exc:
         # Between two attempts (the last one's ranks closed, the next not
         # started yet): nothing runs, so just stop.
-        print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
-        return 128 + int(exc.sigval)
+        first = first_signal(exc)
+        print(f"fastspawn run: got {first.name}, stopping", file=sys.stderr)
+        return 128 + int(first)
     return 1  # pragma: no cover - the loop always returns
 
 
@@ -347,11 +367,12 @@ def run_attempt(
         ctx.close(timeout=10)
         return failure
     except elastic.SignalException as exc:
+        first = first_signal(exc)
         if ctx is None:  # start_processes stopped what it had started
-            print(f"fastspawn run: got {exc.sigval.name}, stopping", file=sys.stderr)
+            print(f"fastspawn run: got {first.name}, stopping", file=sys.stderr)
         else:
-            (stop_signals or _StopSignals(ctx)).stop(exc.sigval)
-        return 128 + int(exc.sigval)
+            (stop_signals or _StopSignals(ctx)).stop(first)
+        return 128 + int(first)
     except OSError as exc:
         return _cannot_start(config.program, exc)
     except _limits.LimitError as exc:  # each rank's pipes and log files counted
