@@ -255,8 +255,9 @@ def run_with_agent(args: argparse.Namespace, program: Program) -> int:
         print(f"fastspawn run: the rendezvous failed: {exc}", file=sys.stderr)
         return 1
     except elastic.SignalException as exc:
-        print(f"fastspawn run: got {exc.sigval.name}, stopped every rank", file=sys.stderr)
-        return 128 + int(exc.sigval)
+        first = first_signal(exc)
+        print(f"fastspawn run: got {first.name}, stopped every rank", file=sys.stderr)
+        return 128 + int(first)
     except OSError as exc:
         return _cannot_start(program.name, exc)
     finally:
