@@ -525,6 +525,46 @@ def test_summary_stays_one_line(tmp_path):
     )
 
 
+def _rank_pids(tmp_path) -> list[int]:
+    """The pids the ranks of _ranks_ignoring_sigint wrote: each rank's and
+    its child's."""
+    return [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+
+
+def _ranks_ignoring_sigint(tmp_path, nprocs: int, err) -> subprocess.Popen:
+    """``fastspawn run`` of ``nprocs`` shell ranks that ignore SIGINT, each
+    with a child, writing both pids to ``tmp_path``; its stderr to ``err``."""
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", str(nprocs), "--"),
+            "/bin/sh",
+            "-c",
+            f'trap "" INT; sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait',
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+        text=True,
+    )
+
+
+def _end_run(run: subprocess.Popen, tmp_path) -> None:
+    """Kill the launcher if it is still there, and what a bug left of its
+    ranks: ours, by pid."""
+    if run.poll() is None:
+        run.kill()
+        run.wait(timeout=30)
+    for pid in _rank_pids(tmp_path):
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 5
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "ranks or their children survived"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize(
     ("second", "at_once"),
     # at once: a second SIGINT would merge with the first pending one
@@ -537,23 +577,13 @@ def test_second_signal_kills_every_rank_at_once(tmp_path, second, at_once):
     # it waited for the ranks for ever) but kill them now.
     err_path = tmp_path / "stderr"
     with open(err_path, "w") as err:
-        run = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", "2", "--"),
-                "/bin/sh",
-                "-c",
-                f'trap "" INT; sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait',
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            text=True,
-        )
+        run = _ranks_ignoring_sigint(tmp_path, 2, err)
     try:
         deadline = time.monotonic() + 60
         pids: list[int] = []
         while len(pids) < 4:
             assert time.monotonic() < deadline, "the ranks did not start"
-            pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
+            pids = _rank_pids(tmp_path)
             time.sleep(0.05)
         run.send_signal(signal.SIGINT)
         if not at_once:
@@ -565,12 +595,7 @@ def test_second_signal_kills_every_rank_at_once(tmp_path, second, at_once):
         # never (a 600 s sleep in each rank).
         run.wait(timeout=30)
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(timeout=30)
-        for pid in [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]:
-            if not gone(pid):  # the bug's leftovers: ours, by pid
-                os.kill(pid, signal.SIGKILL)
+        _end_run(run, tmp_path)
     err_text = err_path.read_text()
     # The first signal decides the exit status, however close the second.
     assert run.returncode == 128 + signal.SIGINT, err_text
@@ -581,10 +606,7 @@ def test_second_signal_kills_every_rank_at_once(tmp_path, second, at_once):
     assert (
         "killing every rank" in err_text or "fastspawn run: got SIGINT, stopping\n" in err_text
     ), err_text
-    deadline = time.monotonic() + 5
-    while not all(gone(pid) for pid in pids):
-        assert time.monotonic() < deadline, "ranks or their children survived"
-        time.sleep(0.05)
+    _wait_gone(pids)
 
 
 def test_signal_between_two_attempts_stops_cleanly(monkeypatch, capsys):
@@ -613,16 +635,7 @@ def test_two_signals_as_the_ranks_start_exit_by_the_first(tmp_path):
     # first_signal: 4 times in 4 on an AMD EPYC host, 2026-11-30).
     err_path = tmp_path / "stderr"
     with open(err_path, "w") as err:
-        run = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "fastspawn", "run", "--nprocs-per-node", "16", "--"),
-                "/bin/sh",
-                "-c",
-                f'trap "" INT; sleep 600 & echo $$ $! > {tmp_path}/pids.$LOCAL_RANK; wait',
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
+        run = _ranks_ignoring_sigint(tmp_path, 16, err)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob("pids.*")):
@@ -632,20 +645,11 @@ def test_two_signals_as_the_ranks_start_exit_by_the_first(tmp_path):
         run.send_signal(signal.SIGTERM)
         run.wait(timeout=30)
     finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(timeout=30)
-        for pid in [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]:
-            if not gone(pid):  # leftovers of a bug: ours, by pid
-                os.kill(pid, signal.SIGKILL)
+        _end_run(run, tmp_path)
     err_text = err_path.read_text()
     assert run.returncode == 128 + signal.SIGINT, err_text
     assert "got SIGINT, stopping" in err_text and "SIGTERM" not in err_text, err_text
-    pids = [int(p) for f in tmp_path.glob("pids.*") for p in f.read_text().split()]
-    deadline = time.monotonic() + 5
-    while not all(gone(pid) for pid in pids):
-        assert time.monotonic() < deadline, "ranks or their children survived"
-        time.sleep(0.05)
+    _wait_gone(_rank_pids(tmp_path))
 
 
 def _two_signals_at_once(*_args: object, **_kwargs: object) -> None:

@@ -19,8 +19,8 @@ fd); the socket is an inherited socketpair that no other process can reach.
 
 from __future__ import annotations
 
+import os
 import pickle
-import sys
 
 from fastspawn._wire import payload as wire_payload
 
@@ -241,9 +241,5 @@ def environ_bytes(env: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[bytes,
     data = getattr(env, "_data", None)
     if isinstance(data, dict):  # os.environ (CPython's os._Environ)
         return dict(data)
-    encoding = sys.getfilesystemencoding()
-    return {_encoded(name, encoding): _encoded(value, encoding) for name, value in env.items()}
-
-
-def _encoded(text: str | bytes, encoding: str) -> bytes:
-    return text if isinstance(text, bytes) else text.encode(encoding, "surrogateescape")
+    # os.fsencode: os.environ's encoding on POSIX, bytes passed through.
+    return {os.fsencode(name): os.fsencode(value) for name, value in env.items()}
