@@ -117,6 +117,34 @@ def test_ready_and_forked_ranks_of_one_launch_are_alike(
     assert len({state["random"] for state in states.values()}) == 4
 
 
+def test_each_rank_from_a_ready_worker_has_its_stack_file_named_for_its_rank(
+    no_background_refill,
+):
+    """A ready worker waits with its stack file named for a rank ahead (its
+    slot), and a launch gives each rank the worker named for it where one
+    waits; where none does, the worker it takes names its file at the
+    wake: either way the file bears the rank's number, as a forked rank's."""
+    from fastspawn._launch import stacks as _stacks
+
+    ready = prefork(3)
+    slots = {pid: _stacks.find_memfd(pid) for pid in ready}
+    assert sorted(found[1] for found in slots.values() if found is not None) == ["0", "1", "2"]
+    ctx = fastspawn.start_processes(workers.stack_file_name, nprocs=3)
+    for rank, (pid, name) in ctx.return_values.items():
+        assert pid in ready and name == str(rank)
+        assert slots[pid][1] == str(rank)  # type: ignore[index]  # the one named for it
+    # Slots 1 and 2 left waiting after a launch of one (rank 0, slot 0):
+    # a launch of two takes slot 1 for rank 1 and the other for rank 0.
+    ready = prefork(3)
+    fastspawn.start_processes(workers.stack_file_name, nprocs=1)
+    left = {pid: _stacks.find_memfd(pid) for pid in ready_now()}
+    assert sorted(found[1] for found in left.values() if found is not None) == ["1", "2"]
+    ctx = fastspawn.start_processes(workers.stack_file_name, nprocs=2)
+    for rank, (pid, name) in ctx.return_values.items():
+        assert pid in left and name == str(rank)
+    assert left[ctx.return_values[1][0]][1] == "1"  # type: ignore[index]
+
+
 def test_each_launch_from_ready_workers_draws_fresh_random_numbers(no_background_refill):
     draws = []
     for _ in range(2):

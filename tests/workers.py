@@ -961,3 +961,11 @@ class CountsPickling:
 
 def is_counts_pickling(rank: int, obj: Any) -> bool:
     return isinstance(obj, CountsPickling)
+
+
+def stack_file_name(rank: int) -> tuple[int, str | None]:
+    """This rank's pid, and the rank its stack dump's memfd is named for."""
+    from fastspawn._launch import stacks as _stacks
+
+    found = _stacks.find_memfd(os.getpid())
+    return os.getpid(), None if found is None else found[1]

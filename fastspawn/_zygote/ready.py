@@ -15,7 +15,10 @@ its worker is woken.
 Each ready worker is forked by the same C loop as a launch's ranks
 (PR_SET_PDEATHSIG against the zygote, checked; the workers' signal
 handlers), under the name it waits with (READY_NAME, which the zygote
-takes for the fork loop).
+takes for the fork loop).  It waits with its stack dump's memfd named for
+a rank, its slot (the lowest that no other waiting worker has), and a
+launch gives rank r to a worker of slot r where one waits, whose wake then
+leaves that file as it is (see wake._name_stacks).
 
 How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
 least n so; after a launch of forked ranks ends (multiprocessing
@@ -154,6 +157,11 @@ class ReadyPool:
         # in one (pid -> generation).
         self.generation = 0
         self.born: dict[int, int] = {}
+        # Each waits with its stack dump's memfd named for a rank, its slot
+        # (wake._name_stacks), and a launch gives rank r a worker of slot r
+        # where one waits: pid -> slot, and slot -> its workers, oldest first.
+        self.slot: dict[int, int] = {}
+        self.by_slot: dict[int, dict[int, None]] = {}
         self.cap = cap_from_environment(os.environ)
         self.asked = 0  # prefork(n)'s n: kept ready whatever the cap
         self.owed = 0  # workers of ended launches, to be made ready again
@@ -281,6 +289,7 @@ class ReadyPool:
             pass  # out of fds: as many as there are pairs
         if not pairs:
             return 0
+        slots = self._new_slots(len(pairs))
         signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
         # The workers inherit the name they wait under: never listed, not
         # even for a moment after the fork, as anything but ready workers
@@ -293,7 +302,16 @@ class ReadyPool:
             rank = loop.fork()
             if rank != -1:
                 in_ready_worker(
-                    loop, rank, pairs, close_fds, warm_fd, unlent, self.me, self.state, own_name
+                    loop,
+                    rank,
+                    pairs,
+                    close_fds,
+                    warm_fd,
+                    unlent,
+                    self.me,
+                    self.state,
+                    own_name,
+                    slots[rank],
                 )
             pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
         except BaseException:
@@ -308,10 +326,45 @@ class ReadyPool:
                     self.waiting[pids[index]] = ours
                     self.theirs[pids[index]] = theirs  # see spend()
                     self.born[pids[index]] = self.generation
+                    self.slot[pids[index]] = slots[index]
+                    self.by_slot.setdefault(slots[index], {})[pids[index]] = None
                 else:
                     ours.close()
                     theirs.close()
         return len(pids)
+
+    def _new_slots(self, count: int) -> list[int]:
+        """Slots for ``count`` workers about to be made: the lowest ranks
+        that no waiting worker has (a launch of n ranks, and the n made
+        ready after it, take 0 to n-1)."""
+        slots: list[int] = []
+        rank = 0
+        while len(slots) < count:
+            if rank not in self.by_slot:
+                slots.append(rank)
+            rank += 1
+        return slots
+
+    def _pick(self, rank: int, nprocs: int) -> int:
+        """The waiting worker to take for ``rank`` of a launch of
+        ``nprocs``: the oldest of slot ``rank``; else the oldest that no
+        later rank of the launch would take for its slot."""
+        own = self.by_slot.get(rank)
+        if own:
+            return next(iter(own))
+        for pid in self.waiting:
+            slot = self.slot.get(pid, -1)
+            if not rank < slot < nprocs or len(self.by_slot[slot]) > 1:
+                return pid
+        return next(iter(self.waiting))
+
+    def _unslot(self, pid: int) -> None:
+        slot = self.slot.pop(pid, None)
+        if slot is not None:
+            workers = self.by_slot[slot]
+            del workers[pid]
+            if not workers:
+                del self.by_slot[slot]
 
     def wake(
         self, ranks: Ranks, group: int, report: Callable[[list[int]], bool] | None = None
@@ -391,7 +444,7 @@ class ReadyPool:
     def _take(
         self, ranks: Ranks, rank: int
     ) -> tuple[int, socket.socket, list[bytes], Ancillary] | None:
-        """The oldest ready worker, out of the pool, for ``rank``: its pid,
+        """A ready worker (see _pick), out of the pool, for ``rank``: its pid,
         our end of its socketpair, its assignment and the fds that go with
         it (sendmsg's ancillary data); None (and none taken) if the
         assignment would be too large."""
@@ -399,8 +452,9 @@ class ReadyPool:
         own_env = marshal.dumps(header.envs.get(rank)) if header.envs else b""
         if ASSIGN.size + len(ranks.brief) + len(own_env) > MAX_ASSIGN:
             return None
-        pid = next(iter(self.waiting))
+        pid = self._pick(rank, header.nprocs)
         ours = self.waiting.pop(pid)
+        self._unslot(pid)
         self.spend(self.theirs.pop(pid))
         same = self.born.pop(pid) == self.generation and ranks.same_state
         rights, flags = ranks.fds_of(rank)
@@ -457,6 +511,7 @@ class ReadyPool:
         ours = self.waiting.pop(pid, None)
         theirs = self.theirs.pop(pid, None)
         self.born.pop(pid, None)
+        self._unslot(pid)
         for end in (ours, theirs):
             if end is not None:
                 end.close()
@@ -472,6 +527,8 @@ class ReadyPool:
         self.waiting.clear()
         self.theirs.clear()
         self.born.clear()
+        self.slot.clear()
+        self.by_slot.clear()
         self.close_spent()
 
 

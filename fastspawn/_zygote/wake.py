@@ -73,9 +73,12 @@ def in_ready_worker(
     zygote: int,
     state: dict[str, Any],
     name: str,
+    slot: int,
 ) -> NoReturn:
     """A freshly forked ready worker (named READY_NAME, its rank's
-    ``name`` once it has one): warm up, wait for a rank, become it."""
+    ``name`` once it has one): warm up, wait for a rank, become it.
+    ``slot``: the rank its stack dump's memfd is named for while it waits
+    (see _name_stacks)."""
     try:
         set_up_child(loop, index, unlent)
         mine = pairs[index][1]
@@ -97,6 +100,7 @@ def in_ready_worker(
         stacks_fd = _arm_stacks_ahead()
         comm = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)  # one write at the wake
         _warm_up(zygote, stacks_fd)
+        _name_stacks(slot, stacks_fd)
         if warm_fd >= 0:
             os.close(warm_fd)  # prefork() waits for that
         message, fds, _flags = _channel.recv_fds(mine, MAX_ASSIGN, _channel.MAX_FDS)
@@ -124,6 +128,8 @@ def _noop(*_args: object) -> None:
 # When the last SIGINT came while this worker waited (CLOCK_MONOTONIC, ns;
 # -1: none).
 _interrupted_at = -1
+# The rank this worker's stack memfd is named for (None: none yet).
+_stacks_slot: int | None = None
 
 
 def _note_interrupt(_signum: int, _frame: Any) -> None:
@@ -150,6 +156,18 @@ def _arm_stacks_ahead() -> int:
     return fd
 
 
+def _name_stacks(slot: int, fd: int) -> None:
+    """Before the wait: put a memfd named for rank ``slot`` at ``fd``, the
+    stack dump's.  A worker the zygote then gives that rank (it does where
+    it can, see ReadyPool._pick) keeps it: at the wake, creating the rank's
+    memfd and releasing this one took 35-46 us of a woken rank's CPU, the
+    kernel's work nearly all of it (the same three calls made in C took as
+    long; benchmarks/README.md, "Ready workers at 4db3674")."""
+    global _stacks_slot
+    if fd >= 0 and oscall.stacks_file(worker_stacks.STACKS_PREFIX, slot, fd) == 0:
+        _stacks_slot = slot
+
+
 def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
     """At the wake: the stack dump armed into a memfd named for ``rank``
     (as every forked rank's), or, with stacks off, none."""
@@ -157,6 +175,8 @@ def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
         if wanted:
             worker_stacks.arm_stacks(rank)
         return
+    if wanted and rank == _stacks_slot:
+        return  # named so before the wait
     if wanted:
         try:
             named = worker_stacks.stacks_memfd(rank)
