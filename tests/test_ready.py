@@ -135,7 +135,7 @@ def test_each_rank_from_a_ready_worker_has_its_stack_file_named_for_its_rank(
         assert slots[pid][1] == str(rank)  # type: ignore[index]  # the one named for it
     # Slots 1 and 2 left waiting after a launch of one (rank 0, slot 0):
     # a launch of two takes slot 1 for rank 1 and the other for rank 0.
-    ready = prefork(3)
+    prefork(3)
     fastspawn.start_processes(workers.stack_file_name, nprocs=1)
     left = {pid: _stacks.find_memfd(pid) for pid in ready_now()}
     assert sorted(found[1] for found in left.values() if found is not None) == ["1", "2"]
