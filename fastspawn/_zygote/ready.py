@@ -353,7 +353,7 @@ class ReadyPool:
         if own:
             return next(iter(own))
         for pid in self.waiting:
-            slot = self.slot.get(pid, -1)
+            slot = self.slot[pid]
             if not rank < slot < nprocs or len(self.by_slot[slot]) > 1:
                 return pid
         return next(iter(self.waiting))

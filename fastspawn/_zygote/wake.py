@@ -164,8 +164,15 @@ def _name_stacks(slot: int, fd: int) -> None:
     kernel's work nearly all of it (the same three calls made in C took as
     long; benchmarks/README.md, "Ready workers at 4db3674")."""
     global _stacks_slot
-    if fd >= 0 and oscall.stacks_file(worker_stacks.STACKS_PREFIX, slot, fd) == 0:
+    if fd >= 0 and _stacks_file(slot, fd):
         _stacks_slot = slot
+
+
+def _stacks_file(rank: int, fd: int) -> bool:
+    """A new memfd named for ``rank`` put at ``fd`` (as the fork loop gives
+    a forked rank its own); False, ``fd`` left as it was, when out of fds
+    or memory."""
+    return oscall.stacks_file(worker_stacks.STACKS_PREFIX, rank, fd) == 0
 
 
 def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
@@ -175,17 +182,9 @@ def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
         if wanted:
             worker_stacks.arm_stacks(rank)
         return
-    if wanted and rank == _stacks_slot:
-        return  # named so before the wait
-    if wanted:
-        try:
-            named = worker_stacks.stacks_memfd(rank)
-        except OSError:
-            named = -1
-        if named >= 0:
-            os.dup2(named, fd, inheritable=False)
-            os.close(named)
-            return
+    # Named so before the wait (_name_stacks), or named now as that did.
+    if wanted and (rank == _stacks_slot or _stacks_file(rank, fd)):
+        return
     faulthandler.unregister(worker_stacks.STACKS_SIGNAL)
     os.close(fd)
 
