@@ -476,6 +476,23 @@ if case == "background":
     print(settle(4), flush=True)
     fastspawn.start_processes(workers.succeed, nprocs=3)
     print(settle(4), flush=True)
+elif case == "mp-slots":
+    # Multiprocessing processes are each rank 0 of a launch of one: the
+    # workers made ready again after them wait named for rank 0.
+    from fastspawn._launch import stacks
+    ctx = fastspawn.get_context("fastspawn")
+    processes = [ctx.Process(target=time.sleep, args=(0,)) for _ in range(3)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    count = settle(3)
+    waiting = sorted(ready())
+    print(count, *(stacks.find_memfd(pid)[1] for pid in waiting), flush=True)
+    process = ctx.Process(target=time.sleep, args=(0,))
+    process.start()
+    process.join()
+    print(process.pid in waiting, process.exitcode, flush=True)
 elif case == "nproc":
     soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     resource.setrlimit(resource.RLIMIT_NPROC, (int(sys.argv[2]), hard))
@@ -527,6 +544,14 @@ def run_driver(*args: str, env: dict[str, str] | None = None) -> list[str]:
 def test_a_launch_that_ended_is_made_ready_again_up_to_the_cap():
     assert run_driver("background") == ["4", "4"]
     assert run_driver("background", env={"FASTSPAWN_READY": "2"}) == ["2", "2"]
+
+
+@pytest.mark.version_neutral
+def test_multiprocessing_processes_are_made_ready_again_for_rank_0():
+    """Their refills wait with their stack files named for rank 0, the
+    rank every one of them takes (see ReadyPool.owe), and the next
+    process takes one."""
+    assert run_driver("mp-slots") == ["3", "0", "0", "0", "True", "0"]
 
 
 @pytest.mark.version_neutral

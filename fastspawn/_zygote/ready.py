@@ -16,9 +16,10 @@ Each ready worker is forked by the same C loop as a launch's ranks
 (PR_SET_PDEATHSIG against the zygote, checked; the workers' signal
 handlers), under the name it waits with (READY_NAME, which the zygote
 takes for the fork loop).  It waits with its stack dump's memfd named for
-a rank, its slot (the lowest that no other waiting worker has), and a
-launch gives rank r to a worker of slot r where one waits, whose wake then
-leaves that file as it is (see wake._name_stacks).
+a rank, its slot (made again for an ended launch, the rank it stands in
+for; else the lowest that no other waiting worker has), and a launch gives
+rank r to a worker of slot r where one waits, whose wake then leaves that
+file as it is (see wake._name_stacks).
 
 How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
 least n so; after a launch of forked ranks ends (multiprocessing
@@ -68,7 +69,7 @@ from fastspawn._zygote.wake import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Collection, Iterable, Sequence
     from typing import Any
 
     # sendmsg's ancillary data: here the fds of an assignment (SCM_RIGHTS).
@@ -164,7 +165,10 @@ class ReadyPool:
         self.by_slot: dict[int, dict[int, None]] = {}
         self.cap = cap_from_environment(os.environ)
         self.asked = 0  # prefork(n)'s n: kept ready whatever the cap
-        self.owed = 0  # workers of ended launches, to be made ready again
+        # Workers of ended launches, to be made ready again: the slot each
+        # is to be made for, its rank there (a multiprocessing process is
+        # rank 0 of a launch of its own: a pool's refills are all slot 0).
+        self.owed: list[int] = []
         self.quiet_until = 0.0  # no background refill before (time.monotonic())
         self.fork_time = 0.001  # seconds a ready worker took to make, the last time
 
@@ -198,7 +202,7 @@ class ReadyPool:
 
     def wanted(self) -> int:
         """How many more to make ready in the background now."""
-        background = min(self.owed, self.cap - len(self.waiting))
+        background = min(len(self.owed), self.cap - len(self.waiting))
         return max(self.asked - len(self.waiting), background, 0)
 
     def refill_delay(self) -> float | None:
@@ -221,9 +225,15 @@ class ReadyPool:
 
     def owe(self, size: int) -> None:
         """A launch of ``size`` forked ranks ended (or, multiprocessing
-        processes, began): as many are to be made ready again."""
+        processes, began): as many are to be made ready again, one for each
+        of its ranks (see _owe)."""
         if self.cap > 0:
-            self.owed = min(self.cap, self.owed + size)
+            self._owe(range(size), self.cap)
+
+    def _owe(self, slots: Iterable[int], most: int) -> None:
+        """Owe workers for ``slots``, ``most`` owed at most (the latest)."""
+        self.owed.extend(slots)
+        del self.owed[: max(0, len(self.owed) - most)]
 
     def refill(self, close_fds: Sequence[int]) -> None:
         """One idle moment's refill: as many as fork in about REFILL_SLICE
@@ -235,14 +245,14 @@ class ReadyPool:
         if count <= 0:
             return
         started = time.monotonic()
-        made = self.fill(count, close_fds)
-        self.owed = max(0, self.owed - made)
+        made = self.fill(count, close_fds, slots=self.owed[:count])
+        del self.owed[:made]
         if made:
             self.fork_time = (time.monotonic() - started) / made
         if made < count:
             # The limits stop it: nothing more owed, and what prefork() asked
             # for is tried again in a second, not at every idle moment.
-            self.owed = 0
+            self.owed.clear()
             self.quiet_until = time.monotonic() + 1.0
 
     def prefork(self, count: int, refill: bool, close_fds: Sequence[int]) -> int:
@@ -251,7 +261,7 @@ class ReadyPool:
         to its cap), else neither.  How many are ready."""
         self.asked = count if refill else 0
         self.cap = cap_from_environment(os.environ) if refill else 0
-        self.owed = 0
+        self.owed.clear()
         close_fds = self.close_spent(close_fds)
         while len(self.waiting) > count:
             pid = next(iter(self.waiting))
@@ -277,9 +287,13 @@ class ReadyPool:
                 os.close(warm_w)
         return len(self.waiting)
 
-    def fill(self, count: int, close_fds: Sequence[int], warm_fd: int = -1) -> int:
+    def fill(
+        self, count: int, close_fds: Sequence[int], warm_fd: int = -1, slots: Sequence[int] = ()
+    ) -> int:
         """Fork up to ``count`` ready workers, within the limits; how many.
-        Each closes ``warm_fd`` (if given) once warmed up."""
+        Each closes ``warm_fd`` (if given) once warmed up.  The first are
+        made for ``slots`` (owed ones), the rest for the lowest ranks no
+        waiting worker has."""
         count = min(count, room_under_limits(len(self.waiting)))
         pairs: list[tuple[socket.socket, socket.socket]] = []
         try:
@@ -289,7 +303,8 @@ class ReadyPool:
             pass  # out of fds: as many as there are pairs
         if not pairs:
             return 0
-        slots = self._new_slots(len(pairs))
+        slots = [*slots[: len(pairs)]]
+        slots += self._new_slots(len(pairs) - len(slots), taken=slots)
         signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
         # The workers inherit the name they wait under: never listed, not
         # even for a moment after the fork, as anything but ready workers
@@ -333,14 +348,13 @@ class ReadyPool:
                     theirs.close()
         return len(pids)
 
-    def _new_slots(self, count: int) -> list[int]:
-        """Slots for ``count`` workers about to be made: the lowest ranks
-        that no waiting worker has (a launch of n ranks, and the n made
-        ready after it, take 0 to n-1)."""
+    def _new_slots(self, count: int, taken: Collection[int] = ()) -> list[int]:
+        """Slots for ``count`` workers about to be made (beside those for
+        ``taken``): the lowest ranks that no waiting worker has."""
         slots: list[int] = []
         rank = 0
         while len(slots) < count:
-            if rank not in self.by_slot:
+            if rank not in self.by_slot and rank not in taken:
                 slots.append(rank)
             rank += 1
         return slots
@@ -499,7 +513,8 @@ class ReadyPool:
         without a limit of its own asks."""
         waiting = list(self.waiting)
         self.retire()
-        self.owed = self.asked = 0
+        self.owed.clear()
+        self.asked = 0
         for pid in waiting:
             try:
                 os.waitpid(pid, 0)
@@ -518,7 +533,7 @@ class ReadyPool:
 
     def retire(self) -> None:
         """Kill every ready worker (reaped as any exited child is)."""
-        self.owed = min(max(self.cap, self.asked), self.owed + len(self.waiting))
+        self._owe(self.slot.values(), max(self.cap, self.asked))
         for pid, ours in self.waiting.items():
             ours.close()
             _kill(pid)
