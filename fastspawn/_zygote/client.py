@@ -292,7 +292,7 @@ def prefork(n: int, *, refill: bool = True) -> int:
 
     ``refill``: keep at least ``n`` ready, making them again after each
     launch that took them, and make as many ready again as each ended
-    launch had, up to FASTSPAWN_READY (default 64), in the background;
+    launch had, up to FASTSPAWN_READY (default 256), in the background;
     that is what a zygote does by itself from its start.  False: ``n`` now
     and none made ready after; ``prefork(0, refill=False)`` turns ready
     workers off.  See docs/performance.md.

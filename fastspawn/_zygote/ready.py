@@ -26,7 +26,11 @@ least n so; after a launch of forked ranks ends (multiprocessing
 processes: once they began, as the next are due when they end), as many
 workers as it had are made ready again while the zygote is idle (no
 message for 10 ms, no launch in the last 10 ms and 2 ms per rank it had),
-up to FASTSPAWN_READY (default 64; 0: never in the background).
+up to FASTSPAWN_READY (default 256; 0: never in the background).  A
+launch of n ranks is made ready again n times: 256 idle workers, 2-3 MiB
+each (USS, docs/performance.md), follow only a launch that large, and the
+next launch of that size forks none (with 64, the default before, it
+forked 192).
 ``prefork(n, refill=False)``: n now, none made ready again after
 (``prefork(0, refill=False)`` turns ready workers off).  Never
 more than a quarter of the caller's RLIMIT_NPROC, nor of its
@@ -78,8 +82,8 @@ if TYPE_CHECKING:
 # A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
 # caller's leak checks tell it from a worker (client.helper_processes).
 READY_NAME = "fastspawn-ready"
-# The background's default cap, and the setting that changes it.
-DEFAULT_CAP = 64
+# The background's default cap (see above), and the setting that changes it.
+DEFAULT_CAP = 256
 CAP_VARIABLE = "FASTSPAWN_READY"
 # No background refill while less memory than this is available
 # (MemAvailable), or than a tenth of the machine's.

@@ -1,0 +1,101 @@
+"""What the ready workers a launch leaves behind cost while idle: one
+launch of ``--nprocs`` trivial ranks, no ``prefork()``, then the zygote's
+background makes as many ready again (up to FASTSPAWN_READY); once it has
+and a second more passed, each waiting worker's USS (psutil's
+``memory_full_info``), their median and sum, how long after the launch
+returned the last of them was ready, and how long a second launch of
+the same size (which takes them) takes to return, every rank joined.
+
+    python benchmarks/ready_memory.py [--nprocs 256] [--preload torch] [--json FILE]
+    FASTSPAWN_READY=64 python benchmarks/ready_memory.py
+
+Prints the figures with the CPU model; with ``--json`` writes them too.
+Each run starts a zygote of its own (this process's), so run it once per
+setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import psutil
+
+import fastspawn
+from fastspawn._bench.host import machine
+from fastspawn._zygote import client, ready
+
+MIB = 1 << 20
+
+
+def rank(index: int) -> int:
+    return index
+
+
+def wait_ready(zygote: int, count: int, timeout: float) -> set[int]:
+    """The zygote's ready workers once ``count`` are (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while len(ready := client.ready_workers(zygote)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return ready
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nprocs", type=int, default=256, help="ranks of each launch")
+    parser.add_argument("--preload", action="append", default=[], help="a module for the zygote")
+    parser.add_argument("--json", help="write the figures to this file")
+    options = parser.parse_args()
+    if options.nprocs < 1:
+        parser.error("--nprocs takes a count >= 1")
+    if options.preload:
+        fastspawn.preload(options.preload)
+    fastspawn.start_processes(rank, nprocs=1)  # the zygote up, this module in it
+    zygote = client.zygote_pid()
+    assert zygote is not None
+    wait_ready(zygote, 1, 10.0)
+    started = time.monotonic()
+    fastspawn.start_processes(rank, nprocs=options.nprocs)
+    returned = time.monotonic()
+    expected = min(options.nprocs, ready.cap_from_environment(os.environ))
+    wait_ready(zygote, expected, 120.0)
+    made = time.monotonic()
+    time.sleep(1.0)  # what more a refill would make, it has made
+    waiting = client.ready_workers(zygote)
+    uss = sorted(psutil.Process(pid).memory_full_info().uss / MIB for pid in waiting)
+    second = time.monotonic()
+    fastspawn.start_processes(rank, nprocs=options.nprocs)
+    figures = {
+        "nprocs": options.nprocs,
+        "preload": options.preload,
+        "FASTSPAWN_READY": os.environ.get("FASTSPAWN_READY", "default"),
+        "first_launch_ms": (returned - started) * 1e3,
+        "ready_after_s": made - returned,
+        "ready": len(uss),
+        "uss_median_mib": statistics.median(uss) if uss else 0.0,
+        "uss_sum_mib": sum(uss),
+        "second_launch_ms": (time.monotonic() - second) * 1e3,
+    }
+    host = machine()
+    print(
+        f"CPU: {host['cpu']}, {host['usable_cores']} cores; Python {host['python']}; "
+        f"preload {options.preload or 'none'}; FASTSPAWN_READY={figures['FASTSPAWN_READY']}"
+    )
+    print(
+        f"launch of {options.nprocs}: {figures['first_launch_ms']:.0f} ms; "
+        f"{len(uss)} ready again {figures['ready_after_s']:.2f} s after it returned; "
+        f"idle USS median {figures['uss_median_mib']:.2f} MiB, "
+        f"summed {figures['uss_sum_mib']:.0f} MiB; "
+        f"second launch {figures['second_launch_ms']:.0f} ms"
+    )
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump({"machine": host, "argv": sys.argv[1:], **figures}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
