@@ -478,17 +478,22 @@ if case == "background":
     print(settle(4), flush=True)
 elif case == "mp-slots":
     # Multiprocessing processes are each rank 0 of a launch of one: the
-    # workers made ready again after them wait named for rank 0.
+    # workers made ready again after them wait named for rank 0.  Each
+    # start owes one and may take one made after an earlier start, so
+    # rounds of three go on until two or more wait.
     from fastspawn._launch import stacks
     ctx = fastspawn.get_context("fastspawn")
-    processes = [ctx.Process(target=time.sleep, args=(0,)) for _ in range(3)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join()
-    count = settle(3)
+    for _ in range(5):
+        processes = [ctx.Process(target=time.sleep, args=(0,)) for _ in range(3)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join()
+        if settle(2) >= 2:
+            break
     waiting = sorted(ready())
-    print(count, *(stacks.find_memfd(pid)[1] for pid in waiting), flush=True)
+    names = {stacks.find_memfd(pid)[1] for pid in waiting}
+    print(len(waiting) >= 2, *sorted(names), flush=True)
     process = ctx.Process(target=time.sleep, args=(0,))
     process.start()
     process.join()
@@ -551,7 +556,7 @@ def test_multiprocessing_processes_are_made_ready_again_for_rank_0():
     """Their refills wait with their stack files named for rank 0, the
     rank every one of them takes (see ReadyPool.owe), and the next
     process takes one."""
-    assert run_driver("mp-slots") == ["3", "0", "0", "0", "True", "0"]
+    assert run_driver("mp-slots") == ["True", "0", "True", "0"]
 
 
 @pytest.mark.version_neutral
