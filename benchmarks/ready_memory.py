@@ -1,10 +1,12 @@
 """What the ready workers a launch leaves behind cost while idle: one
 launch of ``--nprocs`` trivial ranks, no ``prefork()``, then the zygote's
-background makes as many ready again (up to FASTSPAWN_READY); once it has
-and a second more passed, each waiting worker's USS (psutil's
+background makes as many ready again (up to FASTSPAWN_READY); once it has,
+and the zygote and every worker are asleep with their CPU time unchanged
+(their rehearsals done: the bench's own wait for its refilled row), and a
+second more passed, each waiting worker's USS (psutil's
 ``memory_full_info``), their median and sum, how long after the launch
-returned the last of them was ready, and how long a second launch of
-the same size (which takes them) takes to return, every rank joined.
+returned they were ready so, and how long a second launch of the same
+size (which takes them) takes to return, every rank joined.
 
     python benchmarks/ready_memory.py [--nprocs 256] [--preload torch] [--json FILE]
     FASTSPAWN_READY=64 python benchmarks/ready_memory.py
@@ -27,6 +29,8 @@ import psutil
 
 import fastspawn
 from fastspawn._bench.host import machine
+from fastspawn._bench.methods import _await_ready
+from fastspawn._launch.methods import registry
 from fastspawn._zygote import client, ready
 
 MIB = 1 << 20
@@ -34,14 +38,6 @@ MIB = 1 << 20
 
 def rank(index: int) -> int:
     return index
-
-
-def wait_ready(zygote: int, count: int, timeout: float) -> set[int]:
-    """The zygote's ready workers once ``count`` are (or ``timeout`` passed)."""
-    deadline = time.monotonic() + timeout
-    while len(ready := client.ready_workers(zygote)) < count and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return ready
 
 
 def main() -> None:
@@ -57,12 +53,13 @@ def main() -> None:
     fastspawn.start_processes(rank, nprocs=1)  # the zygote up, this module in it
     zygote = client.zygote_pid()
     assert zygote is not None
-    wait_ready(zygote, 1, 10.0)
+    method = registry.get("zygote")
+    _await_ready(method, 1)
     started = time.monotonic()
     fastspawn.start_processes(rank, nprocs=options.nprocs)
     returned = time.monotonic()
     expected = min(options.nprocs, ready.cap_from_environment(os.environ))
-    wait_ready(zygote, expected, 120.0)
+    _await_ready(method, expected)
     made = time.monotonic()
     time.sleep(1.0)  # what more a refill would make, it has made
     waiting = client.ready_workers(zygote)

@@ -308,7 +308,7 @@ class ReadyPool:
         if not pairs:
             return 0
         slots = [*slots[: len(pairs)]]
-        slots += self._new_slots(len(pairs) - len(slots), taken=slots)
+        slots += self._new_slots(len(pairs) - len(slots), taken=set(slots))
         signal.pthread_sigmask(signal.SIG_BLOCK, ZYGOTE_SIGNALS)
         # The workers inherit the name they wait under: never listed, not
         # even for a moment after the fork, as anything but ready workers
