@@ -28,6 +28,7 @@ from helpers import gone, kill_driver, wait_until_asleep
 import fastspawn
 from fastspawn import elastic
 from fastspawn._zygote import client
+from fastspawn._zygote import ready as ready_pool
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 DEADLINE = 10.0  # seconds: a generous bound on what should be quick
@@ -453,6 +454,17 @@ def test_prefork_checks_its_argument():
         fastspawn.prefork("2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 0"):
         fastspawn.prefork(-1)
+
+
+def test_none_are_made_ready_while_memory_is_short(monkeypatch):
+    # The zygote reads only the head of /proc/meminfo: it must find there
+    # what a reading of the whole file finds.
+    with open("/proc/meminfo", "rb") as f:
+        info = {line.split(b":")[0]: int(line.split()[1]) << 10 for line in f}
+    short = info[b"MemAvailable"] < max(ready_pool.MIN_AVAILABLE, info[b"MemTotal"] // 10)
+    assert (ready_pool.room_under_limits(0) == 0) == short
+    monkeypatch.setattr(ready_pool, "MIN_AVAILABLE", info[b"MemTotal"] + (1 << 30))
+    assert ready_pool.room_under_limits(0) == 0
 
 
 DRIVER = """

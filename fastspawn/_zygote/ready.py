@@ -88,6 +88,7 @@ CAP_VARIABLE = "FASTSPAWN_READY"
 # No background refill while less memory than this is available
 # (MemAvailable), or than a tenth of the machine's.
 MIN_AVAILABLE = 512 << 20
+MEMINFO_HEAD = 256  # bytes of /proc/meminfo that hold both
 REFILL_BATCH = 16  # forked in one idle moment at most, then the zygote looks at its fds
 REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
 # No refill while a launch's ranks come up: for this long after it began,
@@ -137,8 +138,14 @@ def room_under_limits(ready: int) -> int:
         if soft != resource.RLIM_INFINITY:
             room = min(room, max(0, soft // 4 // each - ready))
     try:
-        with open("/proc/meminfo", "rb") as f:
-            info = {line.split(b":")[0]: int(line.split()[1]) << 10 for line in f}
+        # The first lines only (MemTotal, MemFree, MemAvailable): parsing
+        # all of them took a refill's step 90 us, 23 so.
+        with open("/proc/meminfo", "rb", buffering=0) as f:
+            head = f.read(MEMINFO_HEAD)
+        info = {}
+        for line in head.split(b"\n")[:-1]:
+            key, _colon, value = line.partition(b":")
+            info[key] = int(value.split()[0]) << 10
         if info[b"MemAvailable"] < max(MIN_AVAILABLE, info[b"MemTotal"] // 10):
             room = 0
     except (OSError, KeyError, ValueError, IndexError):
@@ -174,7 +181,9 @@ class ReadyPool:
         # rank 0 of a launch of its own: a pool's refills are all slot 0).
         self.owed: list[int] = []
         self.quiet_until = 0.0  # no background refill before (time.monotonic())
-        self.fork_time = 0.001  # seconds a ready worker took to make, the last time
+        # Seconds the last fork loop of ready workers took a worker: what
+        # one more adds to a step of the refill (see refill).
+        self.fork_time = 0.001
 
     def fds(self) -> list[int]:
         ends = (*self.waiting.values(), *self.theirs.values(), *self.spent)
@@ -242,17 +251,21 @@ class ReadyPool:
     def refill(self, close_fds: Sequence[int]) -> None:
         """One idle moment's refill: as many as fork in about REFILL_SLICE
         (REFILL_BATCH at most), so that a launch coming meanwhile waits
-        that long at most.  The last launch's spent ends are closed first."""
+        that long at most.  The last launch's spent ends are closed first.
+
+        A step costs the zygote about a millisecond besides its forks (the
+        pages it writes after a fork are copied then, once a step however
+        many it forked), so the batch is sized by the fork loop's time a
+        worker alone: sized by the whole step's, it was one or two workers
+        a step with ready workers' rehearsals on the cores, 2.3 ms of the
+        zygote's time each (AMD EPYC; benchmarks/README.md)."""
         close_fds = self.close_spent(close_fds)
         batch = max(1, min(REFILL_BATCH, int(REFILL_SLICE / self.fork_time)))
         count = min(self.wanted(), batch)
         if count <= 0:
             return
-        started = time.monotonic()
         made = self.fill(count, close_fds, slots=self.owed[:count])
         del self.owed[:made]
-        if made:
-            self.fork_time = (time.monotonic() - started) / made
         if made < count:
             # The limits stop it: nothing more owed, and what prefork() asked
             # for is tried again in a second, not at every idle moment.
@@ -318,6 +331,7 @@ class ReadyPool:
         try:
             unlent = self.signals.lend()
             loop = oscall.ForkLoop(len(pairs), self.me, 0, signal.SIGKILL)
+            started = time.monotonic()
             rank = loop.fork()
             if rank != -1:
                 in_ready_worker(
@@ -333,6 +347,8 @@ class ReadyPool:
                     slots[rank],
                 )
             pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
+            if pids:
+                self.fork_time = (time.monotonic() - started) / len(pids)
         except BaseException:
             end_if_forked(self.me)
             raise
