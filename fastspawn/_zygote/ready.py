@@ -138,8 +138,8 @@ def room_under_limits(ready: int) -> int:
         if soft != resource.RLIM_INFINITY:
             room = min(room, max(0, soft // 4 // each - ready))
     try:
-        # The first lines only (MemTotal, MemFree, MemAvailable): parsing
-        # all of them took a refill's step 90 us, 23 so.
+        # The first lines only (MemTotal, MemFree, MemAvailable): a read
+        # and parse of the whole file took 90 us, this 23 (warm).
         with open("/proc/meminfo", "rb", buffering=0) as f:
             head = f.read(MEMINFO_HEAD)
         info = {}
@@ -254,11 +254,12 @@ class ReadyPool:
         that long at most.  The last launch's spent ends are closed first.
 
         A step costs the zygote about a millisecond besides its forks (the
-        pages it writes after a fork are copied then, once a step however
-        many it forked), so the batch is sized by the fork loop's time a
-        worker alone: sized by the whole step's, it was one or two workers
-        a step with ready workers' rehearsals on the cores, 2.3 ms of the
-        zygote's time each (AMD EPYC; benchmarks/README.md)."""
+        limits and memory check, the name, the signal handlers lent and
+        taken back), once a step however many it forks, so the batch is
+        sized by the fork loop's time a worker alone: sized by the whole
+        step's, it was one or two workers a step with ready workers'
+        rehearsals on the cores, 2.3 ms of the zygote's time each (AMD
+        EPYC; benchmarks/README.md)."""
         close_fds = self.close_spent(close_fds)
         batch = max(1, min(REFILL_BATCH, int(REFILL_SLICE / self.fork_time)))
         count = min(self.wanted(), batch)
