@@ -106,9 +106,12 @@ def main() -> None:
     if options.nprocs < 1 or options.rounds < 1:
         parser.error("--nprocs and --rounds take counts >= 1")
     try:
-        gaps = [f"{float(gap):g}" for gap in options.gaps.split(",")]
+        seconds = [float(gap) for gap in options.gaps.split(",")]
     except ValueError:
-        parser.error(f"--gaps takes seconds separated by commas, not {options.gaps!r}")
+        seconds = [-1.0]
+    if not all(0 <= gap < 3600 for gap in seconds):
+        parser.error(f"--gaps takes seconds (0 to 3600) separated by commas, not {options.gaps!r}")
+    gaps = [f"{gap:g}" for gap in seconds]
     if options.preload:
         fastspawn.preload(options.preload)
     settings = ["ready", "forked", *gaps]
