@@ -111,7 +111,7 @@ def main() -> None:
         seconds = [-1.0]
     if not all(0 <= gap < 3600 for gap in seconds):
         parser.error(f"--gaps takes seconds (0 to 3600) separated by commas, not {options.gaps!r}")
-    gaps = [f"{gap:g}" for gap in seconds]
+    gaps = list(dict.fromkeys(f"{gap:g}" for gap in seconds))  # each once
     if options.preload:
         fastspawn.preload(options.preload)
     settings = ["ready", "forked", *gaps]
