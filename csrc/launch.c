@@ -229,9 +229,12 @@ static int child_main(void *opaque)
         child_fail(args, s->new_session ? FS_STEP_SETSID : FS_STEP_SETPGID);
     if (redirect_stdio(s) != 0)
         child_fail(args, FS_STEP_STDIO);
-    apply_process_settings(s);
+    /* Before the settings: a lower soft RLIMIT_NOFILE than the parent's
+     * would end cloexec_from's walk (kernels before 5.11) short of the
+     * parent's higher fds. */
     if (keep_only_keep_fds(s) != 0)
         child_fail(args, FS_STEP_KEEP_FDS);
+    apply_process_settings(s);
     if (s->cwd != NULL && chdir(s->cwd) != 0)
         child_fail(args, FS_STEP_CHDIR);
     if (set_program_mask(s, &args->parent_mask) != 0)

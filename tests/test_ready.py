@@ -526,10 +526,42 @@ elif case == "nproc":
     time.sleep(0.5)
     print(len(ready()), flush=True)
 elif case == "nofile":
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), hard))
+    # Soft and hard alike: the zygote cannot raise its own.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
     fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote, under it
     print(fastspawn.prefork(int(sys.argv[2])), flush=True)
+elif case == "nofile-raised":
+    import tempfile
+    import psutil
+    from fastspawn import elastic
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    fastspawn.start_processes(workers.succeed, nprocs=1)  # the zygote, under it
+    many = low // 4  # twice what a quarter of the caller's limit holds
+    print(fastspawn.prefork(many, refill=False), flush=True)
+    print(psutil.Process(client.zygote_pid()).rlimit(psutil.RLIMIT_NOFILE)[0], flush=True)
+    # Ranks from ready workers and forked ones, of one launch.
+    ctx = fastspawn.start_processes(workers.open_files_limit, nprocs=many + 2)
+    print(*sorted(set(ctx.return_values.values())), flush=True)
+    # Multiprocessing processes, from ready workers and forked.
+    fastspawn.prefork(2, refill=False)
+    with fastspawn.get_context("fastspawn").Pool(4) as pool:
+        print(*sorted(set(pool.map(workers.open_files_limit, range(16), chunksize=1))), flush=True)
+    # A binary, started by the zygote's C launcher.
+    with tempfile.TemporaryDirectory() as logs:
+        run = elastic.start_processes(
+            "bin", "/bin/sh", {0: ("-c", "ulimit -Sn",)}, {0: {}}, logs,
+            redirects=elastic.Std.ALL,
+        )
+        assert not run.wait(timeout=60).is_failed()
+        with open(os.path.join(logs, "0", "stdout.log")) as f:
+            print(f.read().strip(), flush=True)
+    # A caller that raised its own since: its ranks get that.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low + 8, hard))
+    fastspawn.prefork(1, refill=False)
+    ctx = fastspawn.start_processes(workers.open_files_limit, nprocs=2)
+    print(*sorted(set(ctx.return_values.values())), flush=True)
 elif case == "off":
     fastspawn.start_processes(workers.succeed, nprocs=2)
     print(settle(0), flush=True)
@@ -590,8 +622,25 @@ def test_ready_workers_stay_within_a_quarter_of_rlimit_nproc():
 @pytest.mark.version_neutral
 def test_ready_workers_stay_within_a_quarter_of_rlimit_nofile():
     """Each waiting worker holds two of the zygote's fds (both ends of its
-    socketpair, see ReadyPool.spend): an eighth of the limit in workers."""
+    socketpair, see ReadyPool.spend): an eighth of the limit in workers,
+    where the hard limit leaves the zygote no room to raise its own."""
     assert run_driver("nofile", "400") == ["50"]
+
+
+@pytest.mark.version_neutral
+def test_the_zygote_raises_its_own_open_files_limit_and_ranks_keep_the_callers():
+    """Under a soft RLIMIT_NOFILE too low for the workers asked for (a
+    desktop's 1024 held 128 of the default 256), the zygote raises its own
+    as far as the hard limit; every rank it starts (from a ready worker or
+    forked, a multiprocessing process, a binary) runs under the caller's,
+    and under a higher one the caller set later."""
+    low = 200
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2 * low:
+        pytest.skip("the hard RLIMIT_NOFILE leaves no room to raise the soft one")
+    said = run_driver("nofile-raised", str(low))
+    assert said[0] == str(low // 4)  # 25 with the zygote's limit as the caller's
+    assert int(said[1]) >= 2 * low
+    assert said[2:] == [str(low), str(low), str(low), str(low + 8)]
 
 
 def _zygote_sockets(zygote: int) -> set[str]:

@@ -363,6 +363,13 @@ def elastic_pid(tag: str) -> int:
     return os.getpid()
 
 
+def open_files_limit(_rank: int = 0) -> int:
+    """This process's soft RLIMIT_NOFILE."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def elastic_stdio() -> tuple[str, str]:
     """What this rank's stdout and stderr are (after printing a line to each)."""
     print("out")

@@ -153,6 +153,46 @@ def adopt_open_files_limit(diff: dict[str, Any]) -> list[tuple[int, tuple[int, i
     return _adopt_soft(diff, resource.RLIMIT_NOFILE, raise_only=True)
 
 
+def raise_open_files(wanted: int) -> None:
+    """Raise this process's soft RLIMIT_NOFILE to ``wanted`` where it is
+    lower, as far as the hard limit (never lowered; a refusal leaves it).
+    The zygote's own, for the fds its ready workers hold: what a
+    desktop's default soft limit of 1024 allows is a quarter of what the
+    default cap asks (see fastspawn._zygote.ready).  Go raises its own
+    soft limit the same way, to the hard one, and gives the original back
+    to the processes it starts (golang/go#46279, #59063); so does the
+    zygote, to every worker (``open_files_back``), raising no further
+    than its workers need."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _at_most(wanted, hard)
+    if _at_most(target, soft) == target:
+        return  # ours is that high already
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError):
+        pass  # the kernel's own ceiling (fs.nr_open): we keep ours
+
+
+def open_files_back(diff: dict[str, Any], started: dict[str, Any]) -> None:
+    """Where ``raise_open_files`` raised this process's soft RLIMIT_NOFILE
+    above the one it started with (``started``, from ``capture``: the
+    caller's as the zygote started) and ``diff`` (a launch's, from
+    ``changed``) has no limit of the caller's for it, add the one it
+    started with to ``diff``: the launch's workers, which inherit ours,
+    take it back (``apply``, or the C launcher for binaries) and run under
+    the caller's limit, as a worker forked before the raise would."""
+    import resource
+
+    number = resource.RLIMIT_NOFILE
+    limits = diff.get("rlimits", {})
+    own = started["rlimits"].get(number)
+    if own is None or number in limits or resource.getrlimit(number) == own:
+        return
+    diff["rlimits"] = {**limits, number: own}
+
+
 def _adopt_soft(
     diff: dict[str, Any], number: int, raise_only: bool
 ) -> list[tuple[int, tuple[int, int]]]:

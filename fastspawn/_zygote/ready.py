@@ -33,9 +33,12 @@ next launch of that size forks none (with 64, the default before, it
 forked 192).
 ``prefork(n, refill=False)``: n now, none made ready again after
 (``prefork(0, refill=False)`` turns ready workers off).  Never
-more than a quarter of the caller's RLIMIT_NPROC, nor of its
+more than a quarter of the caller's RLIMIT_NPROC, nor of the zygote's
 RLIMIT_NOFILE (each holds two of the zygote's fds), nor while less than
-``MIN_AVAILABLE`` of memory is available.  A caller that set an
+``MIN_AVAILABLE`` of memory is available.  The zygote raises its own soft
+RLIMIT_NOFILE for them where it is too low, as far as the hard limit
+(the caller's soft 1024, a desktop's default, made 128 the most before),
+and gives every rank the caller's back (procstate.open_files_back).  A caller that set an
 RLIMIT_NPROC of its own (lower, often) gets its ranks forked under it, as
 before: the ready workers, which count against it, are killed and reaped
 first, and none are made ready again until prefork() or a launch of a
@@ -53,7 +56,7 @@ import socket
 import sys
 import time
 
-from fastspawn._os import oscall
+from fastspawn._os import oscall, procstate
 from fastspawn._wire import channel as _channel
 from fastspawn._zygote import protocol
 from fastspawn._zygote.forking import end_if_forked
@@ -88,6 +91,10 @@ CAP_VARIABLE = "FASTSPAWN_READY"
 # No background refill while less memory than this is available
 # (MemAvailable), or than a tenth of the machine's.
 MIN_AVAILABLE = 512 << 20
+# Ready workers take at most a quarter of RLIMIT_NPROC and RLIMIT_NOFILE
+# (the rest is the launches'), each holding two of the zygote's fds.
+LIMIT_SHARE = 4
+FDS_EACH = 2
 MEMINFO_HEAD = 256  # bytes of /proc/meminfo that hold both
 REFILL_BATCH = 16  # forked in one idle moment at most, then the zygote looks at its fds
 REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
@@ -126,17 +133,18 @@ def cap_from_environment(environ: dict[str, str] | os._Environ[str]) -> int:
 
 def room_under_limits(ready: int) -> int:
     """How many more workers may be made ready under this process's limits
-    (the caller's, as the zygote started): a quarter of RLIMIT_NPROC in
-    all, a quarter of RLIMIT_NOFILE (each holds two of the zygote's fds
-    while it waits: both ends of its socketpair), and none while memory is
-    short."""
+    (RLIMIT_NPROC the caller's, as the zygote started; RLIMIT_NOFILE
+    the zygote's, which fill() raises for them): a quarter of RLIMIT_NPROC
+    in all, a quarter of RLIMIT_NOFILE (each holds two of the zygote's
+    fds while it waits: both ends of its socketpair), and none while
+    memory is short."""
     import resource
 
     room = sys.maxsize
-    for limit, each in ((resource.RLIMIT_NPROC, 1), (resource.RLIMIT_NOFILE, 2)):
+    for limit, each in ((resource.RLIMIT_NPROC, 1), (resource.RLIMIT_NOFILE, FDS_EACH)):
         soft = resource.getrlimit(limit)[0]
         if soft != resource.RLIM_INFINITY:
-            room = min(room, max(0, soft // 4 // each - ready))
+            room = min(room, max(0, soft // LIMIT_SHARE // each - ready))
     try:
         # The first lines only (MemTotal, MemFree, MemAvailable): a read
         # and parse of the whole file took 90 us, this 23 (warm).
@@ -312,6 +320,10 @@ class ReadyPool:
         Each closes ``warm_fd`` (if given) once warmed up.  The first are
         made for ``slots`` (owed ones), the rest for the lowest ranks no
         waiting worker has."""
+        # A soft RLIMIT_NOFILE too low for them is raised, in the zygote
+        # alone (its workers and ranks get the caller's: see
+        # procstate.open_files_back).
+        procstate.raise_open_files(LIMIT_SHARE * FDS_EACH * (len(self.waiting) + count))
         count = min(count, room_under_limits(len(self.waiting)))
         pairs: list[tuple[socket.socket, socket.socket]] = []
         try:

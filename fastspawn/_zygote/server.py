@@ -274,6 +274,9 @@ class Zygote:
         # The memfd stays open for the ready workers, which read it too.
         payload = wire_payload.read_payload(fds[1], keep_open=True)
         header, work_size = protocol.LaunchHeader.decode(payload)  # plain data: no import, no fd
+        # Our soft RLIMIT_NOFILE may be above the caller's (for the ready
+        # workers' fds, see ReadyPool.fill): its ranks get the caller's.
+        procstate.open_files_back(header.process_state, self.forker.state)
         self.ready.launched(header.nprocs)
         launch = Launch(tx, header.nprocs, header.mp_process)
         # Forked ranks are made ready again once they end, unless their
