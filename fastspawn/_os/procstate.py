@@ -156,9 +156,9 @@ def adopt_open_files_limit(diff: dict[str, Any]) -> list[tuple[int, tuple[int, i
 def raise_open_files(wanted: int) -> None:
     """Raise this process's soft RLIMIT_NOFILE to ``wanted`` where it is
     lower, as far as the hard limit (never lowered; a refusal leaves it).
-    The zygote's own, for the fds its ready workers hold: what a
-    desktop's default soft limit of 1024 allows is a quarter of what the
-    default cap asks (see fastspawn._zygote.ready).  Go raises its own
+    The zygote's own, for the fds its ready workers hold: a desktop's
+    default soft limit of 1024 holds half the default cap, 128 of 256
+    (see fastspawn._zygote.ready).  Go raises its own
     soft limit the same way, to the hard one, and gives the original back
     to the processes it starts (golang/go#46279, #59063); so does the
     zygote, to every worker (``open_files_back``), raising no further

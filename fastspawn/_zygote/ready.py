@@ -322,8 +322,12 @@ class ReadyPool:
         waiting worker has."""
         # A soft RLIMIT_NOFILE too low for them is raised, in the zygote
         # alone (its workers and ranks get the caller's: see
-        # procstate.open_files_back).
-        procstate.raise_open_files(LIMIT_SHARE * FDS_EACH * (len(self.waiting) + count))
+        # procstate.open_files_back), for as many as it may keep, at once:
+        # each worker made after the raise rehearses taking the caller's
+        # back (wake._warm_up), which made before, its rank then does
+        # unrehearsed.
+        most = max(len(self.waiting) + count, self.cap, self.asked)
+        procstate.raise_open_files(LIMIT_SHARE * FDS_EACH * most)
         count = min(count, room_under_limits(len(self.waiting)))
         pairs: list[tuple[socket.socket, socket.socket]] = []
         try:
