@@ -35,7 +35,8 @@ forked 192).
 (``prefork(0, refill=False)`` turns ready workers off).  Never
 more than a quarter of the caller's RLIMIT_NPROC, nor of the zygote's
 RLIMIT_NOFILE (each holds two of the zygote's fds), nor while less than
-``MIN_AVAILABLE`` of memory is available.  The zygote raises its own soft
+``MIN_AVAILABLE`` of memory is available, on the machine or under the
+limits of the memory cgroups the zygote is in.  The zygote raises its own soft
 RLIMIT_NOFILE for them where it is too low, as far as the hard limit
 (the caller's soft 1024, a desktop's default, made 128 the most before),
 and gives every rank the caller's back (procstate.open_files_back).  A caller that set an
@@ -56,7 +57,7 @@ import socket
 import sys
 import time
 
-from fastspawn._os import oscall, procstate
+from fastspawn._os import memlimit, oscall, procstate
 from fastspawn._wire import channel as _channel
 from fastspawn._zygote import protocol
 from fastspawn._zygote.forking import end_if_forked
@@ -137,7 +138,8 @@ def room_under_limits(ready: int) -> int:
     the zygote's, which fill() raises for them): a quarter of RLIMIT_NPROC
     in all, a quarter of RLIMIT_NOFILE (each holds two of the zygote's
     fds while it waits: both ends of its socketpair), and none while
-    memory is short."""
+    memory is short: on the machine (MemAvailable) or under the limit of
+    a memory cgroup the zygote is in (see fastspawn._os.memlimit)."""
     import resource
 
     room = sys.maxsize
@@ -158,7 +160,20 @@ def room_under_limits(ready: int) -> int:
             room = 0
     except (OSError, KeyError, ValueError, IndexError):
         pass
+    # And what the memory cgroups over the zygote leave (a job's, a
+    # container's), which MemAvailable does not show.
+    global _cgroup_limits
+    if _cgroup_limits is None:
+        _cgroup_limits = memlimit.find_limits()
+    left = memlimit.headroom(_cgroup_limits)
+    if left is not None and left[0] < max(MIN_AVAILABLE, left[1] // 10):
+        room = 0
     return room
+
+
+# The memory cgroups' limits over the zygote (memlimit.find_limits), found
+# at its first refill.
+_cgroup_limits: list[memlimit.Level] | None = None
 
 
 class ReadyPool:
