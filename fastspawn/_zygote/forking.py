@@ -3,6 +3,7 @@ workers, or started as binaries with the C launcher."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -37,6 +38,9 @@ class Forker:
         # Our umask, affinity, nice value and limits: what a worker's own
         # launches through its link (Zygote.fork_links) start from.
         self.state = procstate.capture()
+        # After a fork failed with EAGAIN: make room for it, True if there
+        # is more now (the zygote's ready workers gone: ReadyPool.make_room).
+        self.make_room: Callable[[], bool] = lambda: False
 
     def fork_ranks(
         self,
@@ -186,6 +190,8 @@ class Forker:
                 stacks.failed()  # out of fds: the rest go without
             elif error is not None:
                 if step == oscall.ForkLoop.STEP_FORK:
+                    if error.errno == errno.EAGAIN and self.make_room():
+                        continue  # the ready workers' processes are free now
                     return f"fork of rank {loop.next} of {nprocs}", error
                 return f"setpgid of rank {loop.next - 1}", error  # of the rank last forked
         return "the fork loop", None
@@ -259,27 +265,37 @@ class Forker:
         # Each start counts against RLIMIT_NPROC as a fork does (see fork_ranks).
         saved_limits = procstate.adopt_fork_limits(header.process_state)
         call = ""
+
+        def start(rank: int) -> tuple[int, int]:
+            rank_stdio, _unused = stdio.for_rank(rank)
+            out, err = rank_stdio if rank_stdio is not None else (-1, -1)
+            return oscall.launch(
+                path,
+                argvs[rank],
+                base_env,
+                env_extra=header.envs.get(rank),
+                stdin=stdin,
+                stdout=out,
+                stderr=err,
+                pdeathsig=signal.SIGKILL,
+                new_session=True,
+                # Ignored here (SIGINT) or by Python (SIGXFSZ): a
+                # program expects them at their defaults.
+                default_signals=(signal.SIGINT, signal.SIGXFSZ),
+                signal_mask=(),
+                process_state=header.process_state,
+            )
+
         try:
             for rank in range(header.nprocs):
                 call = f"start of rank {rank} of {header.nprocs} ({path})"
-                rank_stdio, _unused = stdio.for_rank(rank)
-                out, err = rank_stdio if rank_stdio is not None else (-1, -1)
-                pid, pidfd = oscall.launch(
-                    path,
-                    argvs[rank],
-                    base_env,
-                    env_extra=header.envs.get(rank),
-                    stdin=stdin,
-                    stdout=out,
-                    stderr=err,
-                    pdeathsig=signal.SIGKILL,
-                    new_session=True,
-                    # Ignored here (SIGINT) or by Python (SIGXFSZ): a
-                    # program expects them at their defaults.
-                    default_signals=(signal.SIGINT, signal.SIGXFSZ),
-                    signal_mask=(),
-                    process_state=header.process_state,
-                )
+                try:
+                    pid, pidfd = start(rank)
+                except OSError as exc:
+                    # The ready workers' processes freed, once more.
+                    if exc.errno != errno.EAGAIN or not self.make_room():
+                        raise
+                    pid, pidfd = start(rank)
                 os.close(pidfd)  # send_pidfds opens the caller's
                 pids.append(pid)
                 self.workers[pid] = (launch, rank)

@@ -573,6 +573,18 @@ class ReadyPool:
             except ChildProcessError:
                 pass  # reaped already
 
+    def make_room(self) -> bool:
+        """A fork of a launch failed for want of processes (EAGAIN: the
+        caller's RLIMIT_NPROC, a cgroup's pids.max, the machine's pids):
+        if workers wait, which the launch did not take (a binary's, or
+        fn and args too large for them), kill and reap them (stand_aside)
+        so that the fork may be tried again, as the launch would have gone
+        without them.  Whether any waited."""
+        if not self.waiting:
+            return False
+        self.stand_aside()
+        return True
+
     def gone(self, pid: int) -> None:
         """A child was reaped: if a ready worker, it is not ready now."""
         ours = self.waiting.pop(pid, None)

@@ -95,6 +95,7 @@ class Zygote:
         self.after_launch: list[Callable[[], None]] = []
         self.forker = Forker(self.me, self.workers, self.signals)
         self.ready = ReadyPool(self.me, self.signals, self.forker.state)
+        self.forker.make_room = self.ready.make_room
 
     def settle(self) -> None:
         """Prepare the memory that workers share, once imports changed it.

@@ -1,10 +1,14 @@
-"""The memory cgroups' limits over a process (fastspawn._os.memlimit), read
-from made-up /proc files and cgroup trees, and the zygote's ready workers
-kept within them."""
+"""Cgroups and the zygote's ready workers: the memory cgroups' limits over a
+process (fastspawn._os.memlimit), read from made-up /proc files and cgroup
+trees; ready workers kept within them; and a launch that runs out of
+processes (a pids cgroup's limit) making room by ending them.  The last
+two run in cgroups the tests make, where they may (root)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -129,65 +133,46 @@ def test_none_are_made_ready_while_a_cgroups_limit_is_near(tmp_path, monkeypatch
     assert ready_pool.room_under_limits(0) > 0
 
 
-def _memory_cgroup_of_our_own(limit: int) -> str:
-    """A new memory cgroup below this process's, limited to ``limit``
-    bytes: its directory (the test is skipped where none can be made)."""
+def _cgroup_of_our_own(controller: str, limits: dict[str, str]) -> str:
+    """A new cgroup below this process's in ``controller``'s hierarchy
+    (v1's, else v2's), its ``limits`` (file name -> value) written: its
+    directory (the test is skipped where none can be made)."""
     with open("/proc/self/cgroup") as f:
         memberships = f.read().splitlines()
     with open("/proc/self/mountinfo") as f:
         mounts = f.read().splitlines()
-    v1, v2 = memlimit._membership(memberships)
     found = None
-    if v1 is not None:
-        found = memlimit._directory(mounts, v1, "cgroup", "memory"), "memory.limit_in_bytes"
-    elif v2 is not None:
-        found = memlimit._directory(mounts, v2, "cgroup2", None), "memory.max"
-    if found is None or found[0] is None:
-        pytest.skip("no memory cgroup mounted here")
-    (ours, _top), limit_file = found
-    path = os.path.join(ours, f"fastspawn-test-{os.getpid()}")
+    for line in memberships:
+        number, _colon, rest = line.partition(":")
+        controllers, _colon, path = rest.partition(":")
+        if controller in controllers.split(","):
+            found = memlimit._directory(mounts, path, "cgroup", controller)
+        elif number == "0" and controllers == "" and found is None:
+            found = memlimit._directory(mounts, path, "cgroup2", None)
+    if found is None:
+        pytest.skip(f"no {controller} cgroup mounted here")
+    path = os.path.join(found[0], f"fastspawn-test-{os.getpid()}")
     try:
         os.mkdir(path)
     except OSError as exc:
-        pytest.skip(f"cannot make a memory cgroup here: {exc}")
+        pytest.skip(f"cannot make a {controller} cgroup here: {exc}")
     try:
-        with open(os.path.join(path, limit_file), "w") as f:
-            f.write(str(limit))
+        for name, value in limits.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(value)
     except OSError as exc:
         os.rmdir(path)
-        pytest.skip(f"cannot limit a memory cgroup here: {exc}")
+        pytest.skip(f"cannot limit a {controller} cgroup here: {exc}")
     return path
 
 
-DRIVER = """
-import os, sys, time
-import fastspawn, workers
-from fastspawn._zygote import client
-
-with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
-    f.write(str(os.getpid()))  # the zygote starts in it too
-fastspawn.start_processes(workers.succeed, nprocs=2)
-print(fastspawn.prefork(4), flush=True)
-ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=2)
-print(sorted({ppid for _pid, ppid in ctx.return_values.values()}) == [client.zygote_pid()])
-time.sleep(1)  # a refill would have made them ready by now
-print(len(client.ready_workers(client.zygote_pid())), flush=True)
-"""
-
-
-@pytest.mark.version_neutral
-def test_a_zygote_in_a_memory_cgroup_near_its_limit_makes_none_ready():
-    """In a cgroup whose limit (384 MiB) leaves less than 512 MiB, on a
-    machine with memory to spare: no ready workers, by prefork() or in
-    the background, and launches fork their ranks as before."""
-    import subprocess
-    import sys
-
+def _run_in(path: str, driver: str) -> list[str]:
+    """``driver`` run by a new interpreter that moves itself into cgroup
+    ``path`` first; its output's words.  The cgroup is removed after."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    path = _memory_cgroup_of_our_own(384 << 20)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", DRIVER, path],
+            [sys.executable, "-c", JOIN + driver, path],
             capture_output=True,
             text=True,
             timeout=120,
@@ -204,4 +189,75 @@ def test_a_zygote_in_a_memory_cgroup_near_its_limit_makes_none_ready():
                     raise
                 time.sleep(0.05)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0", "True", "0"]
+    return done.stdout.split()
+
+
+JOIN = """
+import os, sys, time
+import fastspawn, workers
+from fastspawn._zygote import client
+
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))  # the zygote starts in it too
+"""
+
+NEAR_MEMORY_LIMIT = """
+fastspawn.start_processes(workers.succeed, nprocs=2)
+print(fastspawn.prefork(4), flush=True)
+ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=2)
+print(sorted({ppid for _pid, ppid in ctx.return_values.values()}) == [client.zygote_pid()])
+time.sleep(1)  # a refill would have made them ready by now
+print(len(client.ready_workers(client.zygote_pid())), flush=True)
+"""
+
+
+@pytest.mark.version_neutral
+def test_a_zygote_in_a_memory_cgroup_near_its_limit_makes_none_ready():
+    """In a cgroup whose limit (384 MiB) leaves less than 512 MiB, on a
+    machine with memory to spare: no ready workers, by prefork() or in
+    the background, and launches fork their ranks as before."""
+    path = _cgroup_of_our_own("memory", {"memory.limit_in_bytes": str(384 << 20)})
+    assert _run_in(path, NEAR_MEMORY_LIMIT) == ["0", "True", "0"]
+
+
+OUT_OF_PIDS = """
+import tempfile
+from fastspawn import elastic
+from fastspawn._zygote.ready import MAX_WAKE_WORK
+
+def squeeze():
+    # Four more tasks allowed than the cgroup has now, ready workers and all.
+    with open(os.path.join(sys.argv[1], "pids.current")) as f:
+        current = int(f.read())
+    with open(os.path.join(sys.argv[1], "pids.max"), "w") as f:
+        f.write(str(current + 4))
+
+fastspawn.start_processes(workers.succeed, nprocs=1)
+# Binaries, which ready workers cannot become.
+print(fastspawn.prefork(8, refill=False), flush=True)
+squeeze()
+with tempfile.TemporaryDirectory() as logs:
+    run = elastic.start_processes(
+        "bin", "/bin/true", {r: () for r in range(6)}, {r: {} for r in range(6)}, logs
+    )
+    print(not run.wait(timeout=60).is_failed(), flush=True)
+print(len(client.ready_workers(client.zygote_pid())), flush=True)
+with open(os.path.join(sys.argv[1], "pids.max"), "w") as f:
+    f.write("max")
+# Python ranks of an argument too large to send to ready workers.
+print(fastspawn.prefork(8, refill=False), flush=True)
+squeeze()
+large = b"\x01" * (MAX_WAKE_WORK + 1)
+ctx = fastspawn.start_processes(workers.total, args=(large,), nprocs=6)
+print(sorted(ctx.return_values.values()) == [len(large) + r for r in range(6)], flush=True)
+"""
+
+
+@pytest.mark.version_neutral
+def test_a_launch_short_of_processes_has_the_ready_workers_make_room():
+    """A launch whose ranks cannot take the ready workers (binaries, a
+    large argument) and whose forks run out of processes (a pids cgroup's
+    limit here; RLIMIT_NPROC or the machine's pids alike) kills and reaps
+    them and goes on: it starts as it would have without them."""
+    path = _cgroup_of_our_own("pids", {})
+    assert _run_in(path, OUT_OF_PIDS) == ["8", "True", "0", "8", "True"]
