@@ -1,5 +1,5 @@
 """Cgroups and the zygote's ready workers: the memory cgroups' limits over a
-process (fastspawn._os.memlimit), read from made-up /proc files and cgroup
+process (fastspawn._os.cgroups), read from made-up /proc files and cgroup
 trees; ready workers kept within them; and a launch that runs out of
 processes (a pids cgroup's limit) making room by ending them.  The last
 two run in cgroups the tests make, where they may (root)."""
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from fastspawn._os import memlimit
-from fastspawn._zygote import ready as ready_pool
+from fastspawn._os import cgroups
+from fastspawn._zygote import room
 
 
 def _write(path, text: str) -> None:
@@ -46,11 +46,11 @@ def test_v2_keeps_each_level_with_a_limit_the_lower_of_max_and_high(tmp_path):
             f"31 23 0:28 / {top} rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate",
         ],
     )
-    levels = memlimit.find_limits(*files)
+    levels = cgroups.memory_limits(*files)
     assert [(level.limit, level.usage) for level in levels] == [
         (800, str(top / "job" / "memory.current"))
     ]
-    assert memlimit.headroom(levels) == (300, 800)
+    assert cgroups.headroom(levels) == (300, 800)
 
 
 def test_v2_takes_the_level_that_leaves_least(tmp_path):
@@ -60,7 +60,7 @@ def test_v2_takes_the_level_that_leaves_least(tmp_path):
     _write(top / "a" / "b" / "memory.max", "500")
     _write(top / "a" / "b" / "memory.current", "200")
     files = _proc(tmp_path, "0::/a/b\n", [f"31 23 0:28 / {top} rw - cgroup2 cgroup2 rw"])
-    assert memlimit.headroom(memlimit.find_limits(*files)) == (100, 1000)
+    assert cgroups.headroom(cgroups.memory_limits(*files)) == (100, 1000)
 
 
 def test_v1_memory_controller_and_its_unlimited_value(tmp_path):
@@ -78,8 +78,8 @@ def test_v1_memory_controller_and_its_unlimited_value(tmp_path):
             f"41 31 0:38 / {tmp_path}/unified rw - cgroup2 cgroup2 rw",
         ],
     )
-    levels = memlimit.find_limits(*files)
-    assert memlimit.headroom(levels) == (500, 2000)
+    levels = cgroups.memory_limits(*files)
+    assert cgroups.headroom(levels) == (500, 2000)
 
 
 def test_a_mount_of_a_subtree_and_an_escaped_mount_point(tmp_path):
@@ -93,8 +93,8 @@ def test_a_mount_of_a_subtree_and_an_escaped_mount_point(tmp_path):
     files = _proc(
         tmp_path, "0::/docker/abc/sub\n", [f"31 23 0:28 /docker/abc {escaped} ro - cgroup2 cg rw"]
     )
-    levels = memlimit.find_limits(*files)
-    assert memlimit.headroom(levels) == (3072, 4096)
+    levels = cgroups.memory_limits(*files)
+    assert cgroups.headroom(levels) == (3072, 4096)
 
 
 @pytest.mark.parametrize(
@@ -109,15 +109,45 @@ def test_no_limit_found(tmp_path, cgroup, mount_root):
     top = tmp_path / "cg"
     _write(top / "cgroup.procs", "")
     files = _proc(tmp_path, cgroup, [f"31 23 0:28 {mount_root} {top} rw - cgroup2 cgroup2 rw"])
-    levels = memlimit.find_limits(*files)
+    levels = cgroups.memory_limits(*files)
     assert levels == []
-    assert memlimit.headroom(levels) is None
+    assert cgroups.headroom(levels) is None
 
 
 def test_unreadable_files_mean_no_limit(tmp_path):
-    assert memlimit.find_limits(str(tmp_path / "none"), str(tmp_path / "none")) == []
-    gone = memlimit.Level(100, str(tmp_path / "memory.current"))
-    assert memlimit.headroom([gone]) is None
+    assert cgroups.memory_limits(str(tmp_path / "none"), str(tmp_path / "none")) == []
+    gone = cgroups.Level(100, str(tmp_path / "memory.current"))
+    assert cgroups.headroom([gone]) is None
+
+
+def test_pids_limits_in_v1_and_v2(tmp_path):
+    top = tmp_path / "pids"
+    _write(top / "pids.current", "3")  # the root: no pids.max
+    _write(top / "pod" / "pids.max", "1024")
+    _write(top / "pod" / "pids.current", "17")
+    _write(top / "pod" / "app" / "pids.max", "max")
+    mount = f"40 31 0:36 / {top} rw - cgroup cgroup rw,pids"
+    files = _proc(tmp_path, "8:pids:/pod/app\n4:memory:/\n0::/\n", [mount])
+    assert cgroups.headroom(cgroups.pids_limits(*files)) == (1007, 1024)
+    assert cgroups.memory_limits(*files) == []  # no memory hierarchy mounted
+    mount = f"31 23 0:28 / {top} rw - cgroup2 cgroup2 rw"
+    files = _proc(tmp_path, "0::/pod/app\n", [mount])
+    assert cgroups.headroom(cgroups.pids_limits(*files)) == (1007, 1024)
+
+
+def _room_without_cgroups(monkeypatch, ready: int) -> int:
+    """room_under_limits(ready) with no cgroup limit (the other rules'
+    answer on this machine)."""
+    monkeypatch.setattr(room, "_cgroup_limits", ([], []))
+    return room.room_under_limits(ready)
+
+
+def test_ready_workers_stay_within_a_quarter_of_a_pids_cgroups_limit(tmp_path, monkeypatch):
+    pids = [cgroups.Level(400, str(tmp_path / "pids.current"))]
+    for ready, most in ((0, 100), (60, 40), (120, 0)):
+        others = _room_without_cgroups(monkeypatch, ready)
+        monkeypatch.setattr(room, "_cgroup_limits", ([], pids))
+        assert room.room_under_limits(ready) == min(others, most)
 
 
 def test_none_are_made_ready_while_a_cgroups_limit_is_near(tmp_path, monkeypatch):
@@ -125,12 +155,12 @@ def test_none_are_made_ready_while_a_cgroups_limit_is_near(tmp_path, monkeypatch
     MIN_AVAILABLE or a tenth of it, whatever MemAvailable says."""
     usage = tmp_path / "memory.current"
     limit = 64 << 30
-    monkeypatch.setattr(ready_pool, "MIN_AVAILABLE", 0)  # the machine's rule out of the way
-    monkeypatch.setattr(ready_pool, "_cgroup_limits", [memlimit.Level(limit, str(usage))])
+    others = _room_without_cgroups(monkeypatch, 0)
+    monkeypatch.setattr(room, "_cgroup_limits", ([cgroups.Level(limit, str(usage))], []))
     usage.write_text(str(limit - (limit // 10 - 1)))
-    assert ready_pool.room_under_limits(0) == 0
+    assert room.room_under_limits(0) == 0
     usage.write_text(str(limit - limit // 5))
-    assert ready_pool.room_under_limits(0) > 0
+    assert room.room_under_limits(0) == others
 
 
 def _cgroup_of_our_own(controller: str, limits: dict[str, str]) -> str:
@@ -146,9 +176,9 @@ def _cgroup_of_our_own(controller: str, limits: dict[str, str]) -> str:
         number, _colon, rest = line.partition(":")
         controllers, _colon, path = rest.partition(":")
         if controller in controllers.split(","):
-            found = memlimit._directory(mounts, path, "cgroup", controller)
+            found = cgroups._directory(mounts, path, "cgroup", controller)
         elif number == "0" and controllers == "" and found is None:
-            found = memlimit._directory(mounts, path, "cgroup2", None)
+            found = cgroups._directory(mounts, path, "cgroup2", None)
     if found is None:
         pytest.skip(f"no {controller} cgroup mounted here")
     path = os.path.join(found[0], f"fastspawn-test-{os.getpid()}")
@@ -251,6 +281,18 @@ large = b"\x01" * (MAX_WAKE_WORK + 1)
 ctx = fastspawn.start_processes(workers.total, args=(large,), nprocs=6)
 print(sorted(ctx.return_values.values()) == [len(large) + r for r in range(6)], flush=True)
 """
+
+
+QUARTER_OF_PIDS = """
+fastspawn.start_processes(workers.succeed, nprocs=1)
+print(fastspawn.prefork(40, refill=False), flush=True)
+"""
+
+
+@pytest.mark.version_neutral
+def test_a_zygote_in_a_pids_cgroup_keeps_a_quarter_of_its_limit_ready():
+    path = _cgroup_of_our_own("pids", {"pids.max": "40"})
+    assert _run_in(path, QUARTER_OF_PIDS) == ["10"]
 
 
 @pytest.mark.version_neutral

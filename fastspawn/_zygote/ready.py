@@ -33,9 +33,10 @@ next launch of that size forks none (with 64, the default before, it
 forked 192).
 ``prefork(n, refill=False)``: n now, none made ready again after
 (``prefork(0, refill=False)`` turns ready workers off).  Never
-more than a quarter of the caller's RLIMIT_NPROC, nor of the zygote's
-RLIMIT_NOFILE (each holds two of the zygote's fds), nor while less than
-``MIN_AVAILABLE`` of memory is available, on the machine or under the
+more than a quarter of the caller's RLIMIT_NPROC or of a pids cgroup's
+pids.max, nor of the zygote's RLIMIT_NOFILE (each holds two of the
+zygote's fds), nor while less than
+``room.MIN_AVAILABLE`` of memory is available, on the machine or under the
 limits of the memory cgroups the zygote is in.  The zygote raises its own soft
 RLIMIT_NOFILE for them where it is too low, as far as the hard limit
 (the caller's soft 1024, a desktop's default, made 128 the most before),
@@ -57,11 +58,12 @@ import socket
 import sys
 import time
 
-from fastspawn._os import memlimit, oscall, procstate
+from fastspawn._os import oscall, procstate
 from fastspawn._wire import channel as _channel
 from fastspawn._zygote import protocol
 from fastspawn._zygote.forking import end_if_forked
 from fastspawn._zygote.launch import LaunchStdio
+from fastspawn._zygote.room import FDS_EACH, LIMIT_SHARE, room_under_limits
 from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals
 from fastspawn._zygote.wake import (
     ASSIGN,
@@ -89,14 +91,6 @@ READY_NAME = "fastspawn-ready"
 # The background's default cap (see above), and the setting that changes it.
 DEFAULT_CAP = 256
 CAP_VARIABLE = "FASTSPAWN_READY"
-# No background refill while less memory than this is available
-# (MemAvailable), or than a tenth of the machine's.
-MIN_AVAILABLE = 512 << 20
-# Ready workers take at most a quarter of RLIMIT_NPROC and RLIMIT_NOFILE
-# (the rest is the launches'), each holding two of the zygote's fds.
-LIMIT_SHARE = 4
-FDS_EACH = 2
-MEMINFO_HEAD = 256  # bytes of /proc/meminfo that hold both
 REFILL_BATCH = 16  # forked in one idle moment at most, then the zygote looks at its fds
 REFILL_SLICE = 0.005  # seconds an idle moment's refill takes, about
 # No refill while a launch's ranks come up: for this long after it began,
@@ -130,50 +124,6 @@ def cap_from_environment(environ: dict[str, str] | os._Environ[str]) -> int:
         )
         return DEFAULT_CAP
     return cap
-
-
-def room_under_limits(ready: int) -> int:
-    """How many more workers may be made ready under this process's limits
-    (RLIMIT_NPROC the caller's, as the zygote started; RLIMIT_NOFILE
-    the zygote's, which fill() raises for them): a quarter of RLIMIT_NPROC
-    in all, a quarter of RLIMIT_NOFILE (each holds two of the zygote's
-    fds while it waits: both ends of its socketpair), and none while
-    memory is short: on the machine (MemAvailable) or under the limit of
-    a memory cgroup the zygote is in (see fastspawn._os.memlimit)."""
-    import resource
-
-    room = sys.maxsize
-    for limit, each in ((resource.RLIMIT_NPROC, 1), (resource.RLIMIT_NOFILE, FDS_EACH)):
-        soft = resource.getrlimit(limit)[0]
-        if soft != resource.RLIM_INFINITY:
-            room = min(room, max(0, soft // LIMIT_SHARE // each - ready))
-    try:
-        # The first lines only (MemTotal, MemFree, MemAvailable): a read
-        # and parse of the whole file took 90 us, this 23 (warm).
-        with open("/proc/meminfo", "rb", buffering=0) as f:
-            head = f.read(MEMINFO_HEAD)
-        info = {}
-        for line in head.split(b"\n")[:-1]:
-            key, _colon, value = line.partition(b":")
-            info[key] = int(value.split()[0]) << 10
-        if info[b"MemAvailable"] < max(MIN_AVAILABLE, info[b"MemTotal"] // 10):
-            room = 0
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    # And what the memory cgroups over the zygote leave (a job's, a
-    # container's), which MemAvailable does not show.
-    global _cgroup_limits
-    if _cgroup_limits is None:
-        _cgroup_limits = memlimit.find_limits()
-    left = memlimit.headroom(_cgroup_limits)
-    if left is not None and left[0] < max(MIN_AVAILABLE, left[1] // 10):
-        room = 0
-    return room
-
-
-# The memory cgroups' limits over the zygote (memlimit.find_limits), found
-# at its first refill.
-_cgroup_limits: list[memlimit.Level] | None = None
 
 
 class ReadyPool:

@@ -1,20 +1,24 @@
-"""How much memory a memory cgroup's limits leave this process: a Slurm
-job's allocation, a container's, a systemd unit's.
+"""What the cgroups over this process allow: a Slurm job's allocation, a
+container's, a systemd unit's.
 
-Inside such a cgroup the machine's MemAvailable says nothing of the limit
-that counts: a job allowed 8 GiB on a host with 512 GiB free sees 500 GiB
-available, and past its limit the kernel reclaims its pages or kills its
-largest process (the job's own, usually).  So the zygote, before it makes
-workers ready (each holding 2-3 MiB of its own), also asks what the limits
-of its cgroup and of each one above it leave (:func:`headroom`).
+Inside a memory cgroup the machine's MemAvailable says nothing of the
+limit that counts: a job allowed 8 GiB on a host with 512 GiB free sees
+500 GiB available, and past its limit the kernel reclaims its pages or
+kills its largest process (the job's own, usually).  A pids cgroup's
+limit is the process count's RLIMIT_NPROC for everyone in it.  So the
+zygote, before it makes workers ready (each a process holding 2-3 MiB of
+its own), also asks what the limits of its cgroups and of each one above
+them allow.
 
-The cgroup is found once (:func:`find_limits`), from /proc/self/cgroup and
-/proc/self/mountinfo: under cgroup v2 its memory.max and memory.high
-(the lower: above memory.high the kernel throttles and reclaims), under
-v1's memory controller its memory.limit_in_bytes; each level up to the
-hierarchy's mount whose limit is finite is kept with its usage file
-(memory.current, memory.usage_in_bytes: both count the cgroups below).
-The limits are read then and kept; the usage is read at each ask.
+The cgroup is found once (:func:`memory_limits`, :func:`pids_limits`),
+from /proc/self/cgroup and /proc/self/mountinfo, in the controller's v1
+hierarchy where it has one, else in v2's: memory.max and memory.high
+under v2 (the lower: above memory.high the kernel throttles and
+reclaims), memory.limit_in_bytes under v1, pids.max under both; each
+level up to the hierarchy's mount whose limit is finite is kept with its
+usage file (memory.current, memory.usage_in_bytes, pids.current: each
+counts the cgroups below).  The limits are read then and kept; the usage
+is read at each ask (:func:`headroom`).
 """
 
 from __future__ import annotations
@@ -45,13 +49,41 @@ class Level:
         return f"Level(limit={self.limit}, usage={self.usage!r})"
 
 
-def find_limits(
+def memory_limits(
     cgroup_file: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo"
 ) -> list[Level]:
-    """The memory limits over this process: its cgroup's and each
+    """The memory limits over this process: its memory cgroup's and each
     ancestor's, up to the hierarchy's mount, that are finite (none where
     there is no memory cgroup, its directory is not mounted here, or the
     files are unreadable)."""
+    return _find(
+        cgroup_file,
+        mountinfo,
+        "memory",
+        (_limit_v1, "memory.usage_in_bytes"),
+        (_limit_v2, "memory.current"),
+    )
+
+
+def pids_limits(
+    cgroup_file: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo"
+) -> list[Level]:
+    """The process-count limits over this process (pids.max), as
+    :func:`memory_limits` finds the memory ones."""
+    pids = (_limit_pids, "pids.current")
+    return _find(cgroup_file, mountinfo, "pids", pids, pids)
+
+
+def _find(
+    cgroup_file: str,
+    mountinfo: str,
+    controller: str,
+    v1: tuple[Callable[[str], int | None], str],
+    v2: tuple[Callable[[str], int | None], str],
+) -> list[Level]:
+    """The finite limits over this process of ``controller``: read with
+    ``v1`` (the limit's reader, the usage file's name) in its v1
+    hierarchy, if it has one, else with ``v2`` in v2's."""
     try:
         with open(cgroup_file) as f:
             memberships = f.read().splitlines()
@@ -59,15 +91,15 @@ def find_limits(
             mounts = f.read().splitlines()
     except OSError:
         return []
-    v1, v2 = _membership(memberships)
-    if v1 is not None:
-        directory = _directory(mounts, v1, "cgroup", "memory")
+    in_v1, in_v2 = _membership(memberships, controller)
+    if in_v1 is not None:
+        directory = _directory(mounts, in_v1, "cgroup", controller)
         if directory is not None:
-            return _levels(*directory, _limit_v1, "memory.usage_in_bytes")
-    if v2 is not None:
-        directory = _directory(mounts, v2, "cgroup2", None)
+            return _levels(*directory, *v1)
+    if in_v2 is not None:
+        directory = _directory(mounts, in_v2, "cgroup2", None)
         if directory is not None:
-            return _levels(*directory, _limit_v2, "memory.current")
+            return _levels(*directory, *v2)
     return []
 
 
@@ -87,16 +119,17 @@ def headroom(levels: Sequence[Level]) -> tuple[int, int] | None:
     return least
 
 
-def _membership(lines: Sequence[str]) -> tuple[str | None, str | None]:
-    """This process's cgroup in v1's memory hierarchy and in v2's, from
-    /proc/self/cgroup's lines ("id:controllers:path"); None where absent."""
+def _membership(lines: Sequence[str], controller: str) -> tuple[str | None, str | None]:
+    """This process's cgroup in ``controller``'s v1 hierarchy and in v2's,
+    from /proc/self/cgroup's lines ("id:controllers:path"); None where
+    absent."""
     v1 = v2 = None
     for line in lines:
         number, _colon, rest = line.partition(":")
         controllers, _colon, path = rest.partition(":")
         if number == "0" and controllers == "":
             v2 = path
-        elif "memory" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
     return v1, v2
 
@@ -165,6 +198,10 @@ def _limit_v2(directory: str) -> int | None:
 def _limit_v1(directory: str) -> int | None:
     limit = _read_limit(os.path.join(directory, "memory.limit_in_bytes"))
     return None if limit is None or limit >= _UNLIMITED_V1 else limit
+
+
+def _limit_pids(directory: str) -> int | None:
+    return _read_limit(os.path.join(directory, "pids.max"))
 
 
 def _read_limit(path: str) -> int | None:
