@@ -143,11 +143,17 @@ def _room_without_cgroups(monkeypatch, ready: int) -> int:
 
 
 def test_ready_workers_stay_within_a_quarter_of_a_pids_cgroups_limit(tmp_path, monkeypatch):
-    pids = [cgroups.Level(400, str(tmp_path / "pids.current"))]
-    for ready, most in ((0, 100), (60, 40), (120, 0)):
+    """A quarter of pids.max in ready workers, and never the last half of
+    it: the cgroup's other processes' forks need that."""
+    current = tmp_path / "pids.current"
+    pids = [cgroups.Level(400, str(current))]
+    # (ready workers, tasks in the cgroup, how many more at most)
+    cases = ((0, 50, 100), (60, 110, 40), (120, 170, 0), (0, 150, 50), (0, 250, 0))
+    for ready, tasks, most in cases:
         others = _room_without_cgroups(monkeypatch, ready)
+        current.write_text(f"{tasks}\n")
         monkeypatch.setattr(room, "_cgroup_limits", ([], pids))
-        assert room.room_under_limits(ready) == min(others, most)
+        assert room.room_under_limits(ready) == min(others, most), (ready, tasks)
 
 
 def test_none_are_made_ready_while_a_cgroups_limit_is_near(tmp_path, monkeypatch):

@@ -104,19 +104,26 @@ def _find(
 
 
 def headroom(levels: Sequence[Level]) -> tuple[int, int] | None:
-    """(bytes left, limit) of the level that leaves the least; None when
-    there is no limit or a usage file could not be read."""
+    """(what is left, the limit) of the level that leaves the least; None
+    when there is no limit or a usage file could not be read."""
     least: tuple[int, int] | None = None
     for level in levels:
-        try:
-            with open(level.usage, "rb", buffering=0) as f:
-                used = int(f.read(64))
-        except (OSError, ValueError):
+        left = level_left(level)
+        if left is None:
             return None
-        left = level.limit - used
         if least is None or left < least[0]:
             least = (left, level.limit)
     return least
+
+
+def level_left(level: Level) -> int | None:
+    """What ``level``'s limit leaves now (None: its usage unreadable)."""
+    try:
+        with open(level.usage, "rb", buffering=0) as f:
+            used = int(f.read(64))
+    except (OSError, ValueError):
+        return None
+    return level.limit - used
 
 
 def _membership(lines: Sequence[str], controller: str) -> tuple[str | None, str | None]:

@@ -21,21 +21,36 @@ MEMINFO_HEAD = 256  # bytes of /proc/meminfo that hold both
 
 
 def room_under_limits(ready: int) -> int:
-    """How many more workers may be made ready under this process's limits
-    (RLIMIT_NPROC the caller's, as the zygote started; RLIMIT_NOFILE
-    the zygote's, which ReadyPool.fill raises for them): a quarter of RLIMIT_NPROC
-    in all, a quarter of RLIMIT_NOFILE (each holds two of the zygote's
-    fds while it waits: both ends of its socketpair), and none while
-    memory is short: on the machine (MemAvailable) or under the limit of
-    a memory cgroup the zygote is in; and a quarter of a pids cgroup's
-    limit (see fastspawn._os.cgroups)."""
+    """How many more workers may be made ready beside ``ready`` under this
+    process's limits (RLIMIT_NPROC the caller's, as the zygote started;
+    RLIMIT_NOFILE the zygote's, which ReadyPool.fill raises for them): a
+    quarter of RLIMIT_NPROC in all, a quarter of RLIMIT_NOFILE (each holds
+    two of the zygote's fds while it waits: both ends of its socketpair),
+    a quarter of a pids cgroup's limit, never taking the last half of it,
+    and none while memory is short, on the machine (MemAvailable) or under
+    the limit of a memory cgroup the zygote is in (see
+    fastspawn._os.cgroups)."""
     import resource
 
+    if _memory_short():
+        return 0
     room = sys.maxsize
     for limit, each in ((resource.RLIMIT_NPROC, 1), (resource.RLIMIT_NOFILE, FDS_EACH)):
         soft = resource.getrlimit(limit)[0]
         if soft != resource.RLIM_INFINITY:
-            room = min(room, max(0, soft // LIMIT_SHARE // each - ready))
+            room = min(room, soft // LIMIT_SHARE // each - ready)
+    for level in _limits()[1]:
+        # What the cgroup's other processes fork meanwhile needs the rest.
+        free = cgroups.level_left(level)
+        if free is not None:
+            room = min(room, level.limit // LIMIT_SHARE - ready, free - level.limit // 2)
+    return max(0, room)
+
+
+def _memory_short() -> bool:
+    """Whether less than MIN_AVAILABLE, or a tenth, is left of the
+    machine's memory or of a memory cgroup's limit over the zygote (a
+    job's, a container's: MemAvailable does not show it)."""
     try:
         # The first lines only (MemTotal, MemFree, MemAvailable): a read
         # and parse of the whole file took 90 us, this 23 (warm).
@@ -46,21 +61,20 @@ def room_under_limits(ready: int) -> int:
             key, _colon, value = line.partition(b":")
             info[key] = int(value.split()[0]) << 10
         if info[b"MemAvailable"] < max(MIN_AVAILABLE, info[b"MemTotal"] // 10):
-            room = 0
+            return True
     except (OSError, KeyError, ValueError, IndexError):
         pass
-    # And what the cgroups over the zygote allow (a job's, a container's):
-    # memory MemAvailable does not show, processes as RLIMIT_NPROC does.
+    left = cgroups.headroom(_limits()[0])
+    return left is not None and left[0] < max(MIN_AVAILABLE, left[1] // 10)
+
+
+def _limits() -> tuple[list[cgroups.Level], list[cgroups.Level]]:
+    """The memory and pids limits of the cgroups over the zygote, found
+    once."""
     global _cgroup_limits
     if _cgroup_limits is None:
         _cgroup_limits = cgroups.memory_limits(), cgroups.pids_limits()
-    memory, pids = _cgroup_limits
-    left = cgroups.headroom(memory)
-    if left is not None and left[0] < max(MIN_AVAILABLE, left[1] // 10):
-        room = 0
-    for level in pids:
-        room = min(room, max(0, level.limit // LIMIT_SHARE - ready))
-    return room
+    return _cgroup_limits
 
 
 # The limits of the cgroups over the zygote, memory's and pids' (see
