@@ -32,15 +32,16 @@ each (USS, docs/performance.md), follow only a launch that large, and the
 next launch of that size forks none (with 64, the default before, it
 forked 192).
 ``prefork(n, refill=False)``: n now, none made ready again after
-(``prefork(0, refill=False)`` turns ready workers off).  Never
-more than a quarter of the caller's RLIMIT_NPROC or of a pids cgroup's
-pids.max, nor of the zygote's RLIMIT_NOFILE (each holds two of the
-zygote's fds), nor while less than
-``room.MIN_AVAILABLE`` of memory is available, on the machine or under the
-limits of the memory cgroups the zygote is in.  The zygote raises its own soft
-RLIMIT_NOFILE for them where it is too low, as far as the hard limit
-(the caller's soft 1024, a desktop's default, made 128 the most before),
-and gives every rank the caller's back (procstate.open_files_back).  A caller that set an
+(``prefork(0, refill=False)`` turns ready workers off).  How many the
+limits allow (fastspawn._zygote.room): a quarter of the caller's
+RLIMIT_NPROC, of a pids cgroup's pids.max (never its last half) and of
+the zygote's RLIMIT_NOFILE (each holds two of the zygote's fds), none
+while memory is short, on the machine or under a memory cgroup's limit.
+The zygote raises its own soft RLIMIT_NOFILE for them where it is too
+low, as far as the hard limit (the caller's soft 1024, a desktop's
+default, held 128 before), and gives every rank the caller's back
+(procstate.open_files_back).  A launch short of processes at a fork
+(EAGAIN) has them make room (make_room).  A caller that set an
 RLIMIT_NPROC of its own (lower, often) gets its ranks forked under it, as
 before: the ready workers, which count against it, are killed and reaped
 first, and none are made ready again until prefork() or a launch of a
@@ -288,9 +289,9 @@ class ReadyPool:
         # A soft RLIMIT_NOFILE too low for them is raised, in the zygote
         # alone (its workers and ranks get the caller's: see
         # procstate.open_files_back), for as many as it may keep, at once:
-        # each worker made after the raise rehearses taking the caller's
-        # back (wake._warm_up), which made before, its rank then does
-        # unrehearsed.
+        # each worker made after the raise rehearses giving the caller's
+        # back (wake._warm_up); one made before leaves that to its rank's
+        # wake, unrehearsed.
         most = max(len(self.waiting) + count, self.cap, self.asked)
         procstate.raise_open_files(LIMIT_SHARE * FDS_EACH * most)
         count = min(count, room_under_limits(len(self.waiting)))
