@@ -22,6 +22,12 @@ def _write(path, text: str) -> None:
     path.write_text(text)
 
 
+def _tree(top, files: dict[str, str]) -> None:
+    """Files below ``top``: relative path -> text."""
+    for name, text in files.items():
+        _write(top / name, text)
+
+
 def _proc(tmp_path, cgroup: str, mounts: list[str]) -> tuple[str, str]:
     """Made-up /proc/self/cgroup and /proc/self/mountinfo: their paths."""
     _write(tmp_path / "proc" / "cgroup", cgroup)
@@ -31,13 +37,18 @@ def _proc(tmp_path, cgroup: str, mounts: list[str]) -> tuple[str, str]:
 
 def test_v2_keeps_each_level_with_a_limit_the_lower_of_max_and_high(tmp_path):
     top = tmp_path / "cg"
-    _write(top / "cgroup.procs", "")  # the root: no memory.max
-    _write(top / "job" / "memory.max", "1000\n")
-    _write(top / "job" / "memory.high", "800\n")
-    _write(top / "job" / "memory.current", "500\n")
-    _write(top / "job" / "step" / "memory.max", "max\n")
-    _write(top / "job" / "step" / "memory.high", "max\n")
-    _write(top / "job" / "step" / "memory.current", "100\n")
+    _tree(
+        top,
+        {
+            "cgroup.procs": "",  # the root: no memory.max
+            "job/memory.max": "1000\n",
+            "job/memory.high": "800\n",
+            "job/memory.current": "500\n",
+            "job/step/memory.max": "max\n",
+            "job/step/memory.high": "max\n",
+            "job/step/memory.current": "100\n",
+        },
+    )
     files = _proc(
         tmp_path,
         "0::/job/step\n",
@@ -55,20 +66,30 @@ def test_v2_keeps_each_level_with_a_limit_the_lower_of_max_and_high(tmp_path):
 
 def test_v2_takes_the_level_that_leaves_least(tmp_path):
     top = tmp_path / "cg"
-    _write(top / "a" / "memory.max", "1000")
-    _write(top / "a" / "memory.current", "900")
-    _write(top / "a" / "b" / "memory.max", "500")
-    _write(top / "a" / "b" / "memory.current", "200")
+    _tree(
+        top,
+        {
+            "a/memory.max": "1000",
+            "a/memory.current": "900",
+            "a/b/memory.max": "500",
+            "a/b/memory.current": "200",
+        },
+    )
     files = _proc(tmp_path, "0::/a/b\n", [f"31 23 0:28 / {top} rw - cgroup2 cgroup2 rw"])
     assert cgroups.headroom(cgroups.memory_limits(*files)) == (100, 1000)
 
 
 def test_v1_memory_controller_and_its_unlimited_value(tmp_path):
     top = tmp_path / "memory"
-    _write(top / "memory.limit_in_bytes", "9223372036854771712")
-    _write(top / "slurm" / "memory.limit_in_bytes", "9223372036854771712")
-    _write(top / "slurm" / "job_7" / "memory.limit_in_bytes", "2000")
-    _write(top / "slurm" / "job_7" / "memory.usage_in_bytes", "1500")
+    _tree(
+        top,
+        {
+            "memory.limit_in_bytes": "9223372036854771712",
+            "slurm/memory.limit_in_bytes": "9223372036854771712",
+            "slurm/job_7/memory.limit_in_bytes": "2000",
+            "slurm/job_7/memory.usage_in_bytes": "1500",
+        },
+    )
     files = _proc(
         tmp_path,
         "5:cpu,cpuacct:/slurm/job_7\n4:memory:/slurm/job_7\n0::/\n",
@@ -86,9 +107,14 @@ def test_a_mount_of_a_subtree_and_an_escaped_mount_point(tmp_path):
     """A container's mount of its own cgroup (mountinfo's root field is
     that cgroup); a space in the mount point, escaped as mountinfo does."""
     top = tmp_path / "c g"
-    _write(top / "memory.max", "4096")
-    _write(top / "memory.current", "1024")
-    _write(top / "sub" / "memory.max", "max")
+    _tree(
+        top,
+        {
+            "memory.max": "4096",
+            "memory.current": "1024",
+            "sub/memory.max": "max",
+        },
+    )
     escaped = str(top).replace(" ", "\\040")
     files = _proc(
         tmp_path, "0::/docker/abc/sub\n", [f"31 23 0:28 /docker/abc {escaped} ro - cgroup2 cg rw"]
@@ -122,10 +148,15 @@ def test_unreadable_files_mean_no_limit(tmp_path):
 
 def test_pids_limits_in_v1_and_v2(tmp_path):
     top = tmp_path / "pids"
-    _write(top / "pids.current", "3")  # the root: no pids.max
-    _write(top / "pod" / "pids.max", "1024")
-    _write(top / "pod" / "pids.current", "17")
-    _write(top / "pod" / "app" / "pids.max", "max")
+    _tree(
+        top,
+        {
+            "pids.current": "3",  # the root: no pids.max
+            "pod/pids.max": "1024",
+            "pod/pids.current": "17",
+            "pod/app/pids.max": "max",
+        },
+    )
     mount = f"40 31 0:36 / {top} rw - cgroup cgroup rw,pids"
     files = _proc(tmp_path, "8:pids:/pod/app\n4:memory:/\n0::/\n", [mount])
     assert cgroups.headroom(cgroups.pids_limits(*files)) == (1007, 1024)
