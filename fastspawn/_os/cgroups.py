@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
 
 class Level:
-    """One cgroup with a memory limit: ``limit`` bytes, its usage read from
-    ``usage`` (a file's path)."""
+    """One cgroup with a limit: ``limit`` (bytes of memory, or tasks), its
+    usage read from ``usage`` (a file's path)."""
 
     __slots__ = ("limit", "usage")
 
