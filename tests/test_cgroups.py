@@ -200,22 +200,24 @@ def test_none_are_made_ready_while_a_cgroups_limit_is_near(tmp_path, monkeypatch
     assert room.room_under_limits(0) == others
 
 
-def _cgroup_of_our_own(controller: str, limits: dict[str, str]) -> str:
+def _cgroup_of_our_own(
+    controller: str, limits: dict[str, str], limits_v2: dict[str, str] | None = None
+) -> str:
     """A new cgroup below this process's in ``controller``'s hierarchy
-    (v1's, else v2's), its ``limits`` (file name -> value) written: its
-    directory (the test is skipped where none can be made)."""
+    (v1's, else v2's), its ``limits`` (file name -> value; ``limits_v2``
+    where v2 names them otherwise) written: its directory (the test is
+    skipped where none can be made)."""
     with open("/proc/self/cgroup") as f:
         memberships = f.read().splitlines()
     with open("/proc/self/mountinfo") as f:
         mounts = f.read().splitlines()
+    in_v1, in_v2 = cgroups._membership(memberships, controller)
     found = None
-    for line in memberships:
-        number, _colon, rest = line.partition(":")
-        controllers, _colon, path = rest.partition(":")
-        if controller in controllers.split(","):
-            found = cgroups._directory(mounts, path, "cgroup", controller)
-        elif number == "0" and controllers == "" and found is None:
-            found = cgroups._directory(mounts, path, "cgroup2", None)
+    if in_v1 is not None:
+        found = cgroups._directory(mounts, in_v1, "cgroup", controller)
+    elif in_v2 is not None:
+        found = cgroups._directory(mounts, in_v2, "cgroup2", None)
+        limits = limits if limits_v2 is None else limits_v2
     if found is None:
         pytest.skip(f"no {controller} cgroup mounted here")
     path = os.path.join(found[0], f"fastspawn-test-{os.getpid()}")
@@ -283,7 +285,8 @@ def test_a_zygote_in_a_memory_cgroup_near_its_limit_makes_none_ready():
     """In a cgroup whose limit (384 MiB) leaves less than 512 MiB, on a
     machine with memory to spare: no ready workers, by prefork() or in
     the background, and launches fork their ranks as before."""
-    path = _cgroup_of_our_own("memory", {"memory.limit_in_bytes": str(384 << 20)})
+    limit = str(384 << 20)
+    path = _cgroup_of_our_own("memory", {"memory.limit_in_bytes": limit}, {"memory.max": limit})
     assert _run_in(path, NEAR_MEMORY_LIMIT) == ["0", "True", "0"]
 
 
