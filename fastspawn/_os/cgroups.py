@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import re
 
+from fastspawn._os.limits import read_number
+
 # v1's "no limit": PAGE_COUNTER_MAX pages, rounded to a page; any value this
 # large is none.
 _UNLIMITED_V1 = 1 << 62
@@ -118,12 +120,8 @@ def headroom(levels: Sequence[Level]) -> tuple[int, int] | None:
 
 def level_left(level: Level) -> int | None:
     """What ``level``'s limit leaves now (None: its usage unreadable)."""
-    try:
-        with open(level.usage, "rb", buffering=0) as f:
-            used = int(f.read(64))
-    except (OSError, ValueError):
-        return None
-    return level.limit - used
+    used = read_number(level.usage)
+    return None if used is None else level.limit - used
 
 
 def _membership(lines: Sequence[str], controller: str) -> tuple[str | None, str | None]:
@@ -197,24 +195,15 @@ def _levels(
 def _limit_v2(directory: str) -> int | None:
     """The lower of memory.max and memory.high, None where both are
     "max" or absent (the memory controller off for that cgroup)."""
-    limits = [_read_limit(os.path.join(directory, name)) for name in ("memory.max", "memory.high")]
+    limits = [read_number(os.path.join(directory, name)) for name in ("memory.max", "memory.high")]
     finite = [limit for limit in limits if limit is not None]
     return min(finite) if finite else None
 
 
 def _limit_v1(directory: str) -> int | None:
-    limit = _read_limit(os.path.join(directory, "memory.limit_in_bytes"))
+    limit = read_number(os.path.join(directory, "memory.limit_in_bytes"))
     return None if limit is None or limit >= _UNLIMITED_V1 else limit
 
 
 def _limit_pids(directory: str) -> int | None:
-    return _read_limit(os.path.join(directory, "pids.max"))
-
-
-def _read_limit(path: str) -> int | None:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            text = f.read(64).strip()
-        return None if text == b"max" else int(text)
-    except (OSError, ValueError):
-        return None
+    return read_number(os.path.join(directory, "pids.max"))

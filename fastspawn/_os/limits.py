@@ -67,14 +67,14 @@ class Limits:
         enforces it changes no answer, and those two files are not read:
         the check is on every launch's path (check_nprocs: 0.52 ms there
         before, the first launch after a pause; 0.23 ms with this and
-        _read_number's raw file, AMD EPYC)."""
+        read_number's raw file, AMD EPYC)."""
         nproc = finite(resource.getrlimit(resource.RLIMIT_NPROC)[0])
         fits = nproc is None or (tasks is not None and 1 + tasks <= nproc)
         return cls(
             nproc=nproc if fits or nproc_enforced() else None,
             nofile=finite(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
-            pid_max=_read_number(_PID_MAX),
-            threads_max=_read_number(_THREADS_MAX),
+            pid_max=read_number(_PID_MAX),
+            threads_max=read_number(_THREADS_MAX),
         )
 
 
@@ -325,7 +325,10 @@ def tasks_of(uid: int) -> int:
     return count
 
 
-def _read_number(path: str) -> int | None:
+def read_number(path: str) -> int | None:
+    """The number a small file holds (a sysctl, a cgroup's limit or
+    usage); None where it is unreadable or holds something else (a
+    cgroup's "max")."""
     # A raw file, not a text one: on every launch's path, where a text file
     # object took 37 us a read in a loop and 282 after a pause, 14 and 174
     # (AMD EPYC).  Not os.open's bare fd either: a Ctrl-C landing between
