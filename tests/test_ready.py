@@ -412,6 +412,56 @@ def test_prefork_zero_releases_them_and_the_background_stays(no_background_refil
     assert len(ready_now()) == 2
 
 
+@pytest.mark.version_neutral
+def test_workers_made_ready_again_after_a_launch_rehearse_on_its_state(monkeypatch):
+    """What ready workers rehearse their wake on is made in the zygote once
+    for a refill's steps, and again after each message (a launch takes on
+    its caller's environment): workers made ready again after a launch that
+    changed the environment wake with the next launch's, though they skip
+    its header where the caller's state is theirs."""
+    name = "FASTSPAWN_TEST_REHEARSED"
+    fastspawn.stop_zygote()
+    monkeypatch.setenv(name, "before")
+    fastspawn.start_processes(workers.succeed, nprocs=1)
+    try:
+        assert fastspawn.prefork(3) == 3  # and kept so: made ready again
+        monkeypatch.setenv(name, "after")
+        first = fastspawn.start_processes(workers.pid_and_env, args=(name,), nprocs=3)
+        taken = {pid for pid, _value in first.return_values.values()}
+        deadline = time.monotonic() + DEADLINE
+        while len(ready_now() - taken) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ready = ready_now() - taken
+        assert len(ready) >= 3
+        second = fastspawn.start_processes(workers.pid_and_env, args=(name,), nprocs=3)
+        assert {pid for pid, _value in second.return_values.values()} <= ready
+        assert [value for _pid, value in second.return_values.values()] == ["after"] * 3
+    finally:
+        fastspawn.prefork(0)
+
+
+@pytest.mark.version_neutral
+def test_none_are_made_ready_in_a_directory_removed_since_and_nothing_is_printed(
+    capfd, no_background_refill, tmp_path, monkeypatch
+):
+    """A launch from a directory removed after it leaves the zygote there
+    (it takes on each launch's cwd) until the next: a worker cannot
+    rehearse its wake on a cwd that is gone.  None is made, and none dies
+    trying with a traceback on the caller's stderr (each did, once a
+    refill step); a launch from a live directory brings them back."""
+    gone_dir = tmp_path / "gone"
+    gone_dir.mkdir()
+    monkeypatch.chdir(gone_dir)
+    fastspawn.start_processes(workers.succeed, nprocs=1)
+    monkeypatch.chdir(tmp_path)
+    gone_dir.rmdir()
+    assert fastspawn.prefork(2, refill=False) == 0
+    assert ready_now() == set()
+    fastspawn.start_processes(workers.succeed, nprocs=1)
+    prefork(2)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def _comm(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/comm") as f:

@@ -934,6 +934,10 @@ def rank_state(rank: int) -> dict[str, Any]:
     }
 
 
+def pid_and_env(rank: int, name: str) -> tuple[int, str | None]:
+    return os.getpid(), os.environ.get(name)
+
+
 def pid_and_random(rank: int) -> tuple[int, float]:
     return os.getpid(), random.random()
 

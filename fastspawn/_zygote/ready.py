@@ -75,6 +75,7 @@ from fastspawn._zygote.wake import (
     OUT,
     SAME_STATE,
     Brief,
+    Rehearsal,
     in_ready_worker,
 )
 
@@ -155,6 +156,9 @@ class ReadyPool:
         # rank 0 of a launch of its own: a pool's refills are all slot 0).
         self.owed: list[int] = []
         self.quiet_until = 0.0  # no background refill before (time.monotonic())
+        # What the workers made ready rehearse their wake on, made in the
+        # zygote for them (see forget_rehearsal).
+        self.rehearsal: Rehearsal | None = None
         # Seconds the last fork loop of ready workers took a worker: what
         # one more adds to a step of the refill (see refill).
         self.fork_time = 0.001
@@ -290,11 +294,21 @@ class ReadyPool:
         # alone (its workers and ranks get the caller's: see
         # procstate.open_files_back), for as many as it may keep, at once:
         # each worker made after the raise rehearses giving the caller's
-        # back (wake._warm_up); one made before leaves that to its rank's
+        # back (wake.Rehearsal); one made before leaves that to its rank's
         # wake, unrehearsed.
         most = max(len(self.waiting) + count, self.cap, self.asked)
         procstate.raise_open_files(LIMIT_SHARE * FDS_EACH * most)
         count = min(count, room_under_limits(len(self.waiting)))
+        if count <= 0:
+            return 0
+        if self.rehearsal is None:
+            try:
+                self.rehearsal = Rehearsal(self.state)
+            except OSError:
+                # Out of fds or memory, or the cwd a launch left us in was
+                # removed since (which a worker cannot rehearse in): none now.
+                return 0
+        rehearsal = self.rehearsal
         pairs: list[tuple[socket.socket, socket.socket]] = []
         try:
             for _ in range(count):
@@ -328,6 +342,7 @@ class ReadyPool:
                     self.state,
                     own_name,
                     slots[rank],
+                    rehearsal,
                 )
             pids = loop.pids  # as many as forked before a failure (EAGAIN: RLIMIT_NPROC)
             if pids:
@@ -350,6 +365,19 @@ class ReadyPool:
                     ours.close()
                     theirs.close()
         return len(pids)
+
+    def forget_rehearsal(self) -> None:
+        """Before anything that may change the zygote's environment, cwd or
+        sys.path (a message: a launch takes on its caller's, a preload
+        imports; a launch's preparation left for later): the next fill
+        makes the rehearsal again.  Kept between them, it is made once for
+        a whole refill: made a step at a time, it took the zygote some 0.5
+        ms a step and 100 page copies (its pages, shared with the workers
+        made before, are copied as it writes them: AMD EPYC).  Closed then,
+        no rank a launch forks inherits its memfd."""
+        if self.rehearsal is not None:
+            self.rehearsal.close()
+            self.rehearsal = None
 
     def _new_slots(self, count: int, taken: Collection[int] = ()) -> list[int]:
         """Slots for ``count`` workers about to be made (beside those for

@@ -239,6 +239,7 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             return False
+        self.ready.forget_rehearsal()  # (the message may change our state)
         self.run_after_launch()  # before anything the message asks
         message = protocol.ControlMessage.decode(data)
         if message.op == protocol.PRELOAD:
@@ -335,6 +336,7 @@ class Zygote:
         """What launches left for later (see start_ranks), once the zygote
         is idle or asked for anything, whichever comes first."""
         while self.after_launch:
+            self.ready.forget_rehearsal()
             self.after_launch.pop(0)()
 
     def start_ranks(

@@ -74,11 +74,12 @@ def in_ready_worker(
     state: dict[str, Any],
     name: str,
     slot: int,
+    rehearsal: Rehearsal,
 ) -> NoReturn:
     """A freshly forked ready worker (named READY_NAME, its rank's
-    ``name`` once it has one): warm up, wait for a rank, become it.
-    ``slot``: the rank its stack dump's memfd is named for while it waits
-    (see _name_stacks)."""
+    ``name`` once it has one): warm up on ``rehearsal`` (the zygote's, its
+    memfd inherited), wait for a rank, become it.  ``slot``: the rank its
+    stack dump's memfd is named for while it waits (see _name_stacks)."""
     try:
         set_up_child(loop, index, unlent)
         mine = pairs[index][1]
@@ -99,7 +100,8 @@ def in_ready_worker(
         interrupt = _setsignal(signal.SIGINT, _note_interrupt)
         stacks_fd = _arm_stacks_ahead()
         comm = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)  # one write at the wake
-        _warm_up(zygote, stacks_fd, state)
+        _warm_up(zygote, stacks_fd, rehearsal)
+        os.close(rehearsal.payload)  # the zygote's: no rank inherits it
         _name_stacks(slot, stacks_fd)
         if warm_fd >= 0:
             os.close(warm_fd)  # prefork() waits for that
@@ -189,55 +191,26 @@ def _stacks_for(rank: int, wanted: bool, fd: int) -> None:
     os.close(fd)
 
 
-def _warm_up(zygote: int, stacks_fd: int, state: dict[str, Any]) -> None:
-    """Rehearse the wake on the zygote's own state (its environment, cwd
-    and sys.path, which a launch's header will mostly repeat), both ways a
-    wake may go, up to and through a call of a function that does nothing,
-    reported on a channel of its own: the pages the wake writes (objects'
-    reference counts, code the interpreter specialises as it runs it, the
-    heap) are then this worker's before a launch waits for it (a rank's
-    page faults from its wake to fn: about 76 with a warm-up that stopped
-    at the unpickling, 12 now, at some 2.7 us each on the benchmark
-    machine).  ``state``: the zygote's process state as it started: where
-    it raised its RLIMIT_NOFILE since, a launch gives its ranks that one
-    back, and so does this (unrehearsed, under a soft limit of 1024, a
-    rank from a ready worker took 0.56-0.64 ms of CPU against 0.43-0.50:
-    256 ranks, AMD EPYC)."""
-    process_state: dict[str, Any] = {}
-    procstate.open_files_back(process_state, state)
-    header = protocol.LaunchHeader(
-        nprocs=1,
-        daemon=False,
-        preload=(),
-        sys_path=sys.path,
-        env=os.environ,
-        cwd=os.getcwd(),
-        envs={},
-        process_group=False,
-        process_state=process_state,
-        tracker_index=None,
-        user_fds=0,
-        stdio_slots=(),
-        default_stdio=2,
-        stacks=stacks_fd >= 0,  # else _stacks_for would arm them
-    )
-    encoded = header.encode()
-    work = pickle.dumps((_noop, ()), pickle.HIGHEST_PROTOCOL)
+def _warm_up(zygote: int, stacks_fd: int, rehearsal: Rehearsal) -> None:
+    """Rehearse the wake on ``rehearsal``, both ways a wake may go, up to
+    and through a call of a function that does nothing, reported on a
+    channel of its own: the pages the wake writes (objects' reference
+    counts, code the interpreter specialises as it runs it, the heap) are
+    then this worker's before a launch waits for it (a rank's page faults
+    from its wake to fn: about 76 with a warm-up that stopped at the
+    unpickling, 12 now, at some 2.7 us each on the benchmark machine)."""
+    brief = rehearsal.brief
+    brief.stacks = stacks_fd >= 0  # else _stacks_for would arm them
     for flags in (0, SAME_STATE):
         # The assignment as the zygote sends it, with the launch's channel
         # (its far end read by nobody) and payload, received as at the wake.
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
         (ours, theirs), (channel, _far) = pairs
         try:
-            memfd = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
-            try:
-                os.write(memfd, work)
-                wire_payload.append_trailer(memfd, encoded)
-                brief = Brief.of(header, channel.fileno(), memfd).encode()
-                message = ASSIGN.pack(-1, 0, flags, len(brief), 0) + brief
-                socket.send_fds(ours, [message], [channel.fileno(), memfd])
-            finally:
-                os.close(memfd)
+            brief.channel = runner.channel_identity(channel.fileno())
+            encoded = brief.encode()
+            message = ASSIGN.pack(-1, 0, flags, len(encoded), 0) + encoded
+            socket.send_fds(ours, [message], [channel.fileno(), rehearsal.payload])
             message, fds, _flags = _channel.recv_fds(theirs, MAX_ASSIGN, _channel.MAX_FDS)
             rank, spec, _stdio, _link = _prepare(message, fds, zygote, stacks_fd)
             try:
@@ -249,6 +222,61 @@ def _warm_up(zygote: int, stacks_fd: int, state: dict[str, Any]) -> None:
                 for end in pair:
                     end.close()
     worker_stdio.whole_lines()
+
+
+class Rehearsal:
+    """What ready workers rehearse their wake on (_warm_up): a launch of a
+    function that does nothing on the zygote's own state (its environment,
+    cwd and sys.path, which a launch's header will mostly repeat), as its
+    payload memfd and Brief.  Made in the zygote (see
+    ReadyPool.forget_rehearsal) for the workers it makes ready, which share
+    the memfd (read with pread, as a launch's ranks share theirs) and each
+    close it once warmed up.  Made in each worker, that making (a header
+    built and pickled, a memfd written: no wake does either) cost each
+    worker some 30 page copies (minor faults 594-607 to ready, 570-577 now)
+    and 0.45 ms of CPU (the median of eight alternated pairs of runs of
+    prefork(64); the runs' medians 3.96 and 3.78 ms; AMD EPYC).
+
+    ``state``: the zygote's process state as it started: where it raised
+    its RLIMIT_NOFILE since, a launch gives its ranks that one back, and so
+    does this (unrehearsed, under a soft limit of 1024, a rank from a ready
+    worker took 0.56-0.64 ms of CPU against 0.43-0.50: 256 ranks, AMD
+    EPYC).  OSError where no memfd can be made (out of fds or memory) or
+    the cwd is gone (removed since a launch left the zygote in it)."""
+
+    __slots__ = ("payload", "brief")
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        process_state: dict[str, Any] = {}
+        procstate.open_files_back(process_state, state)
+        header = protocol.LaunchHeader(
+            nprocs=1,
+            daemon=False,
+            preload=(),
+            sys_path=sys.path,
+            env=os.environ,
+            cwd=os.getcwd(),
+            envs={},
+            process_group=False,
+            process_state=process_state,
+            tracker_index=None,
+            user_fds=0,
+            stdio_slots=(),
+            default_stdio=2,
+        )
+        self.payload = os.memfd_create("fastspawn-warm-up", os.MFD_CLOEXEC)
+        try:
+            os.write(self.payload, pickle.dumps((_noop, ()), pickle.HIGHEST_PROTOCOL))
+            wire_payload.append_trailer(self.payload, header.encode())
+            # Its channel (and whether stack dumps are on) is each worker's
+            # own: _warm_up sets them.
+            self.brief = Brief.of(header, self.payload, self.payload)
+        except BaseException:
+            os.close(self.payload)
+            raise
+
+    def close(self) -> None:
+        os.close(self.payload)
 
 
 class Brief:
