@@ -1,0 +1,158 @@
+"""Issue 31's figures for ready workers on this host, in one command: each
+of its "Done when" ratios beside its goal, with the CPU model, so that a
+host of another kind (the project's run on AMD EPYC and Intel Xeon, with
+fork costs 4x apart) can be checked as the first was.
+
+Runs ``fastspawn bench`` twice, each in a fresh interpreter: without torch
+at 64 and 256 ranks (ready workers from ``prefork()``, the second of two
+launches without it, the bare fork loop of a small interpreter and its
+children forked ahead and woken by one write each), then with torch at 64
+(ready workers of a zygote holding torch, the bare fork loop and the
+pre-forked children of a process with torch imported).  Every figure is
+the "all running" median (the call to the last rank's first line of
+``fn``) of ``--repeat`` rounds, and each ratio is between two methods of
+the same run.
+
+    python benchmarks/ready_goals.py [--repeat 7] [--no-torch] [--json FILE]
+
+About 2 minutes on 2 cores (AMD EPYC), 1.5 without torch.  Prints the
+ratios, the goals and whether each was met; with ``--json`` writes them,
+the machine and each run's summary.  Exit status 0 whatever was met (a
+benchmark, not a test).  ``benchmarks/process_starts.py`` measures the
+issue's other figure, one ``ctx.Process`` start from a ready worker
+against fork's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+READY = "fastspawn-zygote-ready"
+REFILLED = "fastspawn-zygote-refilled"
+FORK_LOOP, PREFORKED = "floor", "floor-preforked"
+# With --import torch the sized floors are a process with torch imported.
+TORCH_FORK_LOOP, TORCH_PREFORKED = "floor-sized", "floor-preforked-sized"
+# What --json keeps of each run's JSON.
+SUMMARY = ("started_at", "duration_s", "machine", "config", "summary", "failed")
+AT_MOST_FORK_LOOP = 0.6
+AT_MOST_PREFORKED = 1.3
+
+# (label, nprocs, method, floor, goal) for each run.
+PLAIN_GOALS = [
+    (f"{what}, {n} ranks, over {name}", n, method, floor, goal)
+    for n in (64, 256)
+    for what, method in (("from ready workers", READY), ("second launch", REFILLED))
+    for name, floor, goal in (
+        ("the bare fork loop", FORK_LOOP, AT_MOST_FORK_LOOP),
+        ("the bare pre-forked floor", PREFORKED, AT_MOST_PREFORKED),
+    )
+]
+TORCH_GOALS = [
+    (f"torch, from ready workers, 64 ranks, over {name}", 64, READY, floor, goal)
+    for name, floor, goal in (
+        ("the bare fork loop of a torch process", TORCH_FORK_LOOP, AT_MOST_FORK_LOOP),
+        ("its bare pre-forked children", TORCH_PREFORKED, AT_MOST_PREFORKED),
+    )
+]
+
+
+def bench(arguments: list[str], repeat: int, directory: str, name: str) -> dict[str, Any]:
+    """One ``fastspawn bench`` run in a fresh interpreter: its JSON."""
+    path = os.path.join(directory, f"{name}.json")
+    command = [sys.executable, "-m", "fastspawn", "bench", *arguments]
+    command += ["--repeat", str(repeat), "--json", path]
+    print("running:", " ".join(command[1:-2]), flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        return json.load(f)
+
+
+def running_medians(run: dict[str, Any]) -> dict[tuple[str, int], float]:
+    """(method, nprocs) -> the "all running" median, in seconds."""
+    return {
+        (entry["method"], entry["nprocs"]): entry["median"]
+        for entry in run["summary"]
+        if entry["phase"] == "running" and entry["median"] is not None
+    }
+
+
+def judge(run: dict[str, Any], goals: list[tuple[str, int, str, str, float]]) -> list[dict]:
+    """Each goal's ratio in ``run``, and whether it was met (None: a
+    method's figure is missing, its rounds failed)."""
+    medians = running_medians(run)
+    judged = []
+    for label, nprocs, method, floor, goal in goals:
+        ours, theirs = medians.get((method, nprocs)), medians.get((floor, nprocs))
+        ratio = None if ours is None or not theirs else ours / theirs
+        judged.append(
+            {
+                "goal": label,
+                "nprocs": nprocs,
+                "method": method,
+                "floor": floor,
+                "ms": None if ours is None else ours * 1e3,
+                "floor_ms": None if theirs is None else theirs * 1e3,
+                "ratio": ratio,
+                "at_most": goal,
+                "met": None if ratio is None else ratio <= goal,
+            }
+        )
+    return judged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=7, help="rounds of each method (7)")
+    parser.add_argument("--no-torch", action="store_true", help="leave the torch run out")
+    parser.add_argument("--json", help="write the figures to this file")
+    options = parser.parse_args()
+    if options.repeat < 1:
+        parser.error("--repeat takes a count >= 1")
+    runs: dict[str, Any] = {}
+    judged: list[dict] = []
+    with tempfile.TemporaryDirectory() as directory:
+        methods = ",".join([FORK_LOOP, READY, REFILLED, PREFORKED])
+        runs["plain"] = bench(
+            ["--methods", methods, "--nprocs", "64,256"], options.repeat, directory, "plain"
+        )
+        judged += judge(runs["plain"], PLAIN_GOALS)
+        if not options.no_torch:
+            methods = ",".join([TORCH_FORK_LOOP, READY, TORCH_PREFORKED])
+            arguments = ["--import", "torch", "--methods", methods, "--nprocs", "64"]
+            runs["torch"] = bench(arguments, options.repeat, directory, "torch")
+            judged += judge(runs["torch"], TORCH_GOALS)
+    host = runs["plain"]["machine"]
+    print(
+        f"\nCPU: {host['cpu']}, {host['usable_cores']} cores; Linux {host['kernel']}; "
+        f"Python {host['python']}; torch {host.get('torch') or 'not run'}; "
+        f"{options.repeat} rounds, 'all running' medians"
+    )
+    width = max(len(entry["goal"]) for entry in judged)
+    for entry in judged:
+        if entry["ratio"] is None:
+            print(f"{entry['goal']:<{width}}  no figure (its rounds failed: see the JSON)")
+            continue
+        print(
+            f"{entry['goal']:<{width}}  {entry['ms']:7.1f} / {entry['floor_ms']:7.1f} ms = "
+            f"{entry['ratio']:.2f}x (goal <= {entry['at_most']}x): "
+            f"{'met' if entry['met'] else 'NOT met'}"
+        )
+    met = sum(1 for entry in judged if entry["met"])
+    print(f"{met} of {len(judged)} met")
+    if options.json:
+        with open(options.json, "w") as f:
+            # Each run's summary, not its every round (1 MB a run).
+            kept = {name: {key: run[key] for key in SUMMARY} for name, run in runs.items()}
+            json.dump(
+                {"machine": host, "argv": sys.argv[1:], "goals": judged, "runs": kept}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()
