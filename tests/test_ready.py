@@ -505,6 +505,34 @@ def test_prefork_checks_its_argument():
         fastspawn.prefork(-1)
 
 
+def test_a_launchs_quiet_ends_with_its_last_rank_unless_another_holds_it():
+    """No refill while a launch's ranks come up: for 10 ms and 2 ms a rank
+    after it began, or until all its ranks ended, if that is sooner (a
+    launch from ready workers whose ranks return at once had the refill of
+    its workers wait for nothing); another launch's ranks still coming up,
+    or the limits' back-off, hold it still."""
+    from fastspawn._zygote import ready
+
+    pool = ready.ReadyPool(os.getpid(), None, {})  # type: ignore[arg-type]  # (not forking)
+    large, small = object(), object()
+    began = time.monotonic()
+    pool.launched(large, 256)
+    assert pool.quiet_until >= began + ready.QUIET_AFTER_LAUNCH + 256 * ready.QUIET_PER_RANK
+    pool.launched(small, 1)
+    held_by_small = pool.coming_up[small]
+    assert held_by_small < pool.quiet_until
+    pool.ended(large)
+    assert pool.quiet_until == held_by_small  # the small launch's ranks may still come up
+    pool.ended(small)
+    assert pool.quiet_until == 0.0 and not pool.coming_up
+    pool.ended(small)  # ended twice (or never launched): nothing changes
+    assert pool.quiet_until == 0.0
+    pool.held_until = time.monotonic() + 1.0  # the limits stopped a refill
+    pool.launched(small, 1)
+    pool.ended(small)
+    assert pool.quiet_until == pool.held_until
+
+
 def test_none_are_made_ready_while_memory_is_short(monkeypatch):
     # The zygote reads only the head of /proc/meminfo: it must find there
     # what a reading of the whole file finds.  (No cgroup's limit counts

@@ -25,8 +25,9 @@ How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
 least n so; after a launch of forked ranks ends (multiprocessing
 processes: once they began, as the next are due when they end), as many
 workers as it had are made ready again while the zygote is idle (no
-message for 10 ms, no launch in the last 10 ms and 2 ms per rank it had),
-up to FASTSPAWN_READY (default 256; 0: never in the background).  A
+message for 10 ms, no launch in the last 10 ms and 2 ms per rank it had
+unless all its ranks ended), up to FASTSPAWN_READY (default 256; 0:
+never in the background).  A
 launch of n ranks is made ready again n times: 256 idle workers, 2-3 MiB
 each (USS, docs/performance.md), follow only a launch that large, and the
 next launch of that size forks none (with 64, the default before, it
@@ -156,6 +157,10 @@ class ReadyPool:
         # rank 0 of a launch of its own: a pool's refills are all slot 0).
         self.owed: list[int] = []
         self.quiet_until = 0.0  # no background refill before (time.monotonic())
+        # Each launch whose ranks may still come up -> when its quiet ends
+        # (see launched, ended); and the limits' back-off (see refill).
+        self.coming_up: dict[object, float] = {}
+        self.held_until = 0.0
         # What the workers made ready rehearse their wake on, made in the
         # zygote for them (see forget_rehearsal).
         self.rehearsal: Rehearsal | None = None
@@ -209,10 +214,25 @@ class ReadyPool:
         due = self.wanted() > 0 or bool(self.spent)
         return due and time.monotonic() >= self.quiet_until
 
-    def launched(self, nprocs: int) -> None:
-        """A launch began: its ranks come up, no refill for a while."""
-        quiet = QUIET_AFTER_LAUNCH + QUIET_PER_RANK * nprocs
-        self.quiet_until = max(self.quiet_until, time.monotonic() + quiet)
+    def launched(self, launch: object, nprocs: int) -> None:
+        """``launch`` began: its ranks come up, no refill for a while (until
+        they all ended, if that is sooner: see ended)."""
+        now = time.monotonic()
+        quiet = now + QUIET_AFTER_LAUNCH + QUIET_PER_RANK * nprocs
+        # (Those whose quiet is over are forgotten: one that started no rank never ends.)
+        self.coming_up = {other: end for other, end in self.coming_up.items() if end > now}
+        self.coming_up[launch] = quiet
+        self.quiet_until = max(self.quiet_until, quiet)
+
+    def ended(self, launch: object) -> None:
+        """Every rank of ``launch`` ended: none of it comes up now, so its
+        quiet ends, and the refill may start unless another launch's ranks
+        come up.  A launch from ready workers whose ranks return at once (a
+        sweep's) ends well before its quiet would: 256 such ranks returned
+        0.16 s after the call, and the quiet held the refill until 0.52."""
+        if self.coming_up.pop(launch, None) is None:
+            return
+        self.quiet_until = max([self.held_until, *self.coming_up.values()])
 
     def owe(self, size: int) -> None:
         """A launch of ``size`` forked ranks ended (or, multiprocessing
@@ -249,7 +269,8 @@ class ReadyPool:
             # The limits stop it: nothing more owed, and what prefork() asked
             # for is tried again in a second, not at every idle moment.
             self.owed.clear()
-            self.quiet_until = time.monotonic() + 1.0
+            self.held_until = time.monotonic() + 1.0
+            self.quiet_until = max(self.quiet_until, self.held_until)
 
     def prefork(self, count: int, refill: bool, close_fds: Sequence[int]) -> int:
         """prefork(count, refill=refill): ``count`` ready now (fewer ready

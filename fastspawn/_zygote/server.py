@@ -279,8 +279,8 @@ class Zygote:
         # Our soft RLIMIT_NOFILE may be above the caller's (for the ready
         # workers' fds, see ReadyPool.fill): its ranks get the caller's.
         procstate.open_files_back(header.process_state, self.forker.state)
-        self.ready.launched(header.nprocs)
         launch = Launch(tx, header.nprocs, header.mp_process)
+        self.ready.launched(launch, header.nprocs)
         # Forked ranks are made ready again once they end, unless their
         # caller holds them to an RLIMIT_NPROC of its own: then the ready
         # workers, which count against it, go before its ranks fork.
@@ -562,15 +562,23 @@ class Zygote:
                 self.close_link(self.link_of[pid])
             launch, rank = entry
             (keep if launch.mp_process else drop).add(launch.group)
-            launch.live -= 1
-            if launch.live == 0 and launch.refills and not launch.mp_process:
-                self.ready.owe(launch.size)
-            launch.exits += [rank, os.waitstatus_to_exitcode(status)]
+            self.rank_ended(launch, rank, status)
             touched.add(launch)
         if keep or drop:  # a worker or a kept orphan ended: it may have left some
             self.settle_orphans(keep - drop)
         for launch in touched:
             self.on_writable(launch)
+
+    def rank_ended(self, launch: Launch, rank: int, status: int) -> None:
+        """A rank of ``launch`` was reaped: its exit is for the caller; after
+        the last, nothing of the launch comes up any more (the refill may
+        start, see ReadyPool.ended) and its forked ranks are owed."""
+        launch.exits += [rank, os.waitstatus_to_exitcode(status)]
+        launch.live -= 1
+        if launch.live == 0:
+            self.ready.ended(launch)
+            if launch.refills and not launch.mp_process:
+                self.ready.owe(launch.size)
 
     def settle_orphans(self, keep: set[int]) -> None:
         """Deal with the children that are not our workers: descendants
