@@ -3,10 +3,13 @@ workers ready again (issue 31): what the time between two launches costs.
 
 Each round, for each gap: ``prefork(0)`` (none ready; the background on),
 a launch of ``--nprocs`` ranks that return at once, joined (every rank
-forked: the zygote then owes that many ready workers), a sleep of the gap
-from its return, then the timed launch of as many ranks: from its call to
-the last rank's first line of ``fn`` (each rank stamps ``CLOCK_MONOTONIC``
-into a private file, then stays until a second after the call), joined.
+forked: the zygote then owes that many ready workers; with ``--first
+ready``, every rank from a worker ``prefork(n)`` made ready, which the
+zygote then makes ready again: a sweep's launches, back to back), a sleep
+of the gap from its return, then the timed launch of as many ranks: from
+its call to the last rank's first line of ``fn`` (each rank stamps
+``CLOCK_MONOTONIC`` into a private file, then stays until a second after
+the call), joined.
 Beside them, in the same rounds: "ready" (``prefork(n, refill=False)``,
 which returns once every worker has rehearsed its wake, then a second's
 sleep) and "forked" (no ready worker: every rank forked).  The settings
@@ -15,7 +18,7 @@ workers were ready (listed: forked, rehearsed or not) as the timed launch
 began.
 
     python benchmarks/refill_gap.py [--nprocs 64] [--preload torch] [--rounds 7]
-        [--gaps 0.05,0.2,0.5,1,2] [--json FILE]
+        [--gaps 0.05,0.2,0.5,1,2] [--first forked|ready] [--json FILE]
 
 Prints the medians with the CPU model; with ``--json`` writes them and
 every round's figures.
@@ -77,9 +80,10 @@ def settle() -> None:
     _await_ready(registry.get("zygote"), 0)
 
 
-def one_round(setting: str, nprocs: int, path: str) -> tuple[float, int]:
+def one_round(setting: str, nprocs: int, path: str, first: str) -> tuple[float, int]:
     """The timed launch's milliseconds, and how many workers were ready
-    (forked, rehearsed or not) as it began."""
+    (forked, rehearsed or not) as it began.  ``first``: how the earlier
+    launch of a gap's round gets its ranks ("forked" or "ready")."""
     if setting == "ready":
         fastspawn.prefork(nprocs, refill=False)
         time.sleep(1.0)
@@ -89,6 +93,9 @@ def one_round(setting: str, nprocs: int, path: str) -> tuple[float, int]:
     else:
         fastspawn.prefork(0)
         settle()
+        if first == "ready":
+            fastspawn.prefork(nprocs)  # and kept so: made ready again after
+            settle()
         fastspawn.start_processes(idle, nprocs=nprocs)
         time.sleep(float(setting))
     ready = len(client.ready_workers(client.zygote_pid() or 0))
@@ -101,6 +108,12 @@ def main() -> None:
     parser.add_argument("--preload", action="append", default=[], help="a module for the zygote")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--gaps", default="0.05,0.2,0.5,1,2", help="seconds, comma-separated")
+    parser.add_argument(
+        "--first",
+        choices=("forked", "ready"),
+        default="forked",
+        help="how the launch before each gap gets its ranks",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     options = parser.parse_args()
     if options.nprocs < 1 or options.rounds < 1:
@@ -123,7 +136,7 @@ def main() -> None:
         fastspawn.start_processes(idle, nprocs=1)  # the zygote up, this module in it
         for _ in range(options.rounds):
             for setting in random.sample(settings, len(settings)):
-                took, were_ready = one_round(setting, options.nprocs, path)
+                took, were_ready = one_round(setting, options.nprocs, path, options.first)
                 results[setting].append(took)
                 ready[setting].append(were_ready)
         fastspawn.prefork(0)
@@ -132,7 +145,8 @@ def main() -> None:
     host = machine()
     preload = ", ".join(options.preload) or "nothing"
     print(
-        f"{host['cpu']}, {host['cores']} cores, {options.nprocs} ranks, {preload} preloaded; "
+        f"{host['cpu']}, {host['cores']} cores, {options.nprocs} ranks, {preload} preloaded, "
+        f"the launch before each gap's ranks {options.first}; "
         f"medians of {options.rounds}: ms from the call to the last rank's first line, "
         "workers ready as it began"
     )
@@ -148,6 +162,7 @@ def main() -> None:
                     "machine": host,
                     "nprocs": options.nprocs,
                     "preload": options.preload,
+                    "first": options.first,
                     "medians_ms": medians,
                     "rounds_ms": results,
                     "ready_medians": ready_medians,
