@@ -52,7 +52,6 @@ caller without a limit of its own asks.  New modules in the zygote
 
 from __future__ import annotations
 
-import array
 import marshal
 import os
 import signal
@@ -64,18 +63,13 @@ from fastspawn._os import oscall, procstate
 from fastspawn._wire import channel as _channel
 from fastspawn._zygote import protocol
 from fastspawn._zygote.forking import end_if_forked
-from fastspawn._zygote.launch import LaunchStdio
 from fastspawn._zygote.room import FDS_EACH, LIMIT_SHARE, room_under_limits
 from fastspawn._zygote.signals import ZYGOTE_SIGNALS, Signals
 from fastspawn._zygote.wake import (
     ASSIGN,
-    ERR,
-    IN,
-    LINK,
     MAX_ASSIGN,
-    OUT,
     SAME_STATE,
-    Brief,
+    Ranks,
     Rehearsal,
     in_ready_worker,
 )
@@ -85,8 +79,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Sequence
     from typing import Any
 
-    # sendmsg's ancillary data: here the fds of an assignment (SCM_RIGHTS).
-    Ancillary = list[tuple[int, int, bytes]]
+    from fastspawn._zygote.wake import Ancillary
 
 # A waiting worker's name (/proc/PID/comm, 15 characters at most): how the
 # caller's leak checks tell it from a worker (client.helper_processes).
@@ -609,58 +602,6 @@ class ReadyPool:
         self.slot.clear()
         self.by_slot.clear()
         self.close_spent()
-
-
-class Ranks:
-    """What the assignments of one launch's ranks are made of: its header;
-    its channel, its payload and the fds its arguments carry (``fds``); its
-    stdio and links; whether the zygote holds the caller's environment, cwd
-    and sys.path now (``same_state``: launch.holds_caller_state); its Brief,
-    encoded once."""
-
-    def __init__(
-        self,
-        header: protocol.LaunchHeader,
-        fds: tuple[int, int, Sequence[int]],
-        stdio: LaunchStdio,
-        links: Sequence[socket.socket],
-        same_state: bool,
-    ) -> None:
-        self.header = header
-        self.fds = fds
-        self.stdio = stdio
-        self.links = links
-        self.same_state = same_state
-        self.brief = Brief.of(header, fds[0], fds[1]).encode()
-        self.shared_fds: tuple[Ancillary, int] | None = None
-
-    def fds_of(self, rank: int) -> tuple[Ancillary, int]:
-        """The fds of ``rank``'s assignment (the launch's channel, payload
-        and argument fds, then its own stdio, the caller's stdin, its link),
-        as sendmsg's ancillary data, and the flags that say which of the
-        optional ones follow.  Made once for all the ranks without stdio or
-        a link of their own: the zygote's loop over the workers it wakes
-        runs while the first of them already take the cores."""
-        shared = rank not in self.stdio.by_rank and not self.links
-        if shared and self.shared_fds is not None:
-            return self.shared_fds
-        tx, payload, user_fds = self.fds
-        sent, flags = [tx, payload, *user_fds], 0
-        own, _unused = self.stdio.for_rank(rank)
-        for bit, fd in zip((OUT, ERR), own or (-1, -1), strict=True):
-            if fd >= 0:
-                sent.append(fd)
-                flags |= bit
-        if self.stdio.caller_in is not None:
-            sent.append(self.stdio.caller_in)
-            flags |= IN
-        if self.links:
-            sent.append(self.links[2 * rank + 1].fileno())
-            flags |= LINK
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent).tobytes())]
-        if shared:
-            self.shared_fds = rights, flags
-        return rights, flags
 
 
 def _exited(pid: int) -> bool:

@@ -32,8 +32,9 @@ from fastspawn._zygote.launch import (
     send_pidfds,
     take_on_caller,
 )
-from fastspawn._zygote.ready import Ranks, ReadyPool, own_nproc
+from fastspawn._zygote.ready import ReadyPool, own_nproc
 from fastspawn._zygote.signals import Signals, terminating
+from fastspawn._zygote.wake import Ranks
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

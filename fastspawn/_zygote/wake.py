@@ -1,7 +1,7 @@
 """A ready worker's side (see fastspawn._zygote.ready, the zygote's): its
 warm-up, a rehearsal of its wake, its wait, and its wake into the rank a
 launch assigns it; and the assignment's wire format, which the zygote
-writes (ReadyPool.wake).
+writes (Ranks, for ReadyPool.wake).
 
 At the wake the worker does what the zygote does for forked ranks (takes
 on the caller's environment, cwd and sys.path as of the launch, imports its
@@ -18,6 +18,7 @@ unpickling, took a rank's page faults from its wake to fn from about 76 to
 
 from __future__ import annotations
 
+import array
 import faulthandler
 import marshal
 import os
@@ -40,12 +41,15 @@ from fastspawn._worker import stacks as worker_stacks
 from fastspawn._worker import stdio as worker_stdio
 from fastspawn._zygote import link, protocol
 from fastspawn._zygote.forking import set_up_child
-from fastspawn._zygote.launch import adopt_tracker, import_all, take_on_caller
+from fastspawn._zygote.launch import LaunchStdio, adopt_tracker, import_all, take_on_caller
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import Any, NoReturn
+
+    # sendmsg's ancillary data: here the fds of an assignment (SCM_RIGHTS).
+    Ancillary = list[tuple[int, int, bytes]]
 
 # signal.signal without its enum conversions (see fastspawn._os.held).
 _setsignal: Callable[[int, Any], Any] = sys.modules["_signal"].signal
@@ -358,6 +362,58 @@ class Brief:
     @classmethod
     def decode(cls, data: bytes) -> Brief:
         return cls(*marshal.loads(data))
+
+
+class Ranks:
+    """What the assignments of one launch's ranks are made of: its header;
+    its channel, its payload and the fds its arguments carry (``fds``); its
+    stdio and links; whether the zygote holds the caller's environment, cwd
+    and sys.path now (``same_state``: launch.holds_caller_state); its Brief,
+    encoded once."""
+
+    def __init__(
+        self,
+        header: protocol.LaunchHeader,
+        fds: tuple[int, int, Sequence[int]],
+        stdio: LaunchStdio,
+        links: Sequence[socket.socket],
+        same_state: bool,
+    ) -> None:
+        self.header = header
+        self.fds = fds
+        self.stdio = stdio
+        self.links = links
+        self.same_state = same_state
+        self.brief = Brief.of(header, fds[0], fds[1]).encode()
+        self.shared_fds: tuple[Ancillary, int] | None = None
+
+    def fds_of(self, rank: int) -> tuple[Ancillary, int]:
+        """The fds of ``rank``'s assignment (the launch's channel, payload
+        and argument fds, then its own stdio, the caller's stdin, its link),
+        as sendmsg's ancillary data, and the flags that say which of the
+        optional ones follow.  Made once for all the ranks without stdio or
+        a link of their own: the zygote's loop over the workers it wakes
+        runs while the first of them already take the cores."""
+        shared = rank not in self.stdio.by_rank and not self.links
+        if shared and self.shared_fds is not None:
+            return self.shared_fds
+        tx, payload, user_fds = self.fds
+        sent, flags = [tx, payload, *user_fds], 0
+        own, _unused = self.stdio.for_rank(rank)
+        for bit, fd in zip((OUT, ERR), own or (-1, -1), strict=True):
+            if fd >= 0:
+                sent.append(fd)
+                flags |= bit
+        if self.stdio.caller_in is not None:
+            sent.append(self.stdio.caller_in)
+            flags |= IN
+        if self.links:
+            sent.append(self.links[2 * rank + 1].fileno())
+            flags |= LINK
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent).tobytes())]
+        if shared:
+            self.shared_fds = rights, flags
+        return rights, flags
 
 
 def _unpickle(
