@@ -149,9 +149,9 @@ class ReadyPool:
         # is to be made for, its rank there (a multiprocessing process is
         # rank 0 of a launch of its own: a pool's refills are all slot 0).
         self.owed: list[int] = []
-        self.quiet_until = 0.0  # no background refill before (time.monotonic())
-        # Each launch whose ranks may still come up -> when its quiet ends
-        # (see launched, ended); and the limits' back-off (see refill).
+        # No background refill before quiet_until: each launch whose ranks
+        # may still come up -> when its quiet ends (see launched, ended);
+        # and the limits' back-off (see refill).
         self.coming_up: dict[object, float] = {}
         self.held_until = 0.0
         # What the workers made ready rehearse their wake on, made in the
@@ -207,6 +207,11 @@ class ReadyPool:
         due = self.wanted() > 0 or bool(self.spent)
         return due and time.monotonic() >= self.quiet_until
 
+    @property
+    def quiet_until(self) -> float:
+        """No background refill before this (time.monotonic())."""
+        return max([self.held_until, *self.coming_up.values()])
+
     def launched(self, launch: object, nprocs: int) -> None:
         """``launch`` began: its ranks come up, no refill for a while (until
         they all ended, if that is sooner: see ended)."""
@@ -215,7 +220,6 @@ class ReadyPool:
         # (Those whose quiet is over are forgotten: one that started no rank never ends.)
         self.coming_up = {other: end for other, end in self.coming_up.items() if end > now}
         self.coming_up[launch] = quiet
-        self.quiet_until = max(self.quiet_until, quiet)
 
     def ended(self, launch: object) -> None:
         """Every rank of ``launch`` ended: none of it comes up now, so its
@@ -223,9 +227,7 @@ class ReadyPool:
         come up.  A launch from ready workers whose ranks return at once (a
         sweep's) ends well before its quiet would: 256 such ranks returned
         0.16 s after the call, and the quiet held the refill until 0.52."""
-        if self.coming_up.pop(launch, None) is None:
-            return
-        self.quiet_until = max([self.held_until, *self.coming_up.values()])
+        self.coming_up.pop(launch, None)
 
     def owe(self, size: int) -> None:
         """A launch of ``size`` forked ranks ended (or, multiprocessing
@@ -263,7 +265,6 @@ class ReadyPool:
             # for is tried again in a second, not at every idle moment.
             self.owed.clear()
             self.held_until = time.monotonic() + 1.0
-            self.quiet_until = max(self.quiet_until, self.held_until)
 
     def prefork(self, count: int, refill: bool, close_fds: Sequence[int]) -> int:
         """prefork(count, refill=refill): ``count`` ready now (fewer ready
