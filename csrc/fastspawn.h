@@ -20,6 +20,7 @@
 /* pdeathsig.c */
 int fs_set_pdeathsig(int sig, pid_t expected_ppid);
 int fs_set_child_subreaper(void);
+int fs_set_name(const char *name);
 
 /* pidfd.c */
 int fs_pidfd_open(pid_t pid, unsigned int flags);

@@ -38,3 +38,12 @@ int fs_set_child_subreaper(void)
 {
     return prctl(PR_SET_CHILD_SUBREAPER, 1UL, 0UL, 0UL, 0UL);
 }
+
+/* Name the calling thread `name` (PR_SET_NAME(2const): its comm, truncated
+ * to 15 bytes), which for a single-threaded process is the process's name,
+ * as a write to /proc/self/comm sets it, without a file to open or write.
+ */
+int fs_set_name(const char *name)
+{
+    return prctl(PR_SET_NAME, (unsigned long)name, 0UL, 0UL, 0UL);
+}

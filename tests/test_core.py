@@ -99,6 +99,26 @@ def test_pidfd_wait_not_our_child_is_echild():
         os.close(pidfd)
 
 
+def test_set_name_names_the_process_as_proc_comm_shows_it_truncated_to_15_bytes():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            oscall.set_name(b"fs-name-test-0123456789")
+            with open("/proc/self/comm", "rb") as f:
+                os.write(w, f.read())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            shown = f.read()
+    finally:
+        assert os.waitpid(pid, 0)[1] == 0
+    assert shown == b"fs-name-test-01\n"
+
+
 def test_pidfd_open_missing_pid():
     with pytest.raises(ProcessLookupError, match="from pidfd_open"):
         oscall.pidfd_open(2**22 + 12345)  # above any pid_max

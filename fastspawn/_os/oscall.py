@@ -164,6 +164,18 @@ def set_child_subreaper() -> None:
         _raise_errno("prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+# Bound once, here: a ready worker's wake (fastspawn._zygote.wake) is its
+# first call, and cffi would make the function object there, in every worker.
+_set_name = lib.fs_set_name
+
+
+def set_name(name: bytes) -> None:
+    """Name this (single-threaded) process ``name``, its first 15 bytes:
+    PR_SET_NAME, what a write to /proc/self/comm does, in one call."""
+    if _set_name(name) != 0:
+        _raise_errno("prctl(PR_SET_NAME)")
+
+
 def collapse_hugepages(address: int, length: int) -> None:
     """Back ``[address, address + length)`` with huge pages now
     (MADV_COLLAPSE).  OSError(EINVAL) where the kernel cannot (before 6.1)."""

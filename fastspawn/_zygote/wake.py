@@ -103,7 +103,7 @@ def in_ready_worker(
         # some 30 us (see held.py).
         interrupt = _setsignal(signal.SIGINT, _note_interrupt)
         stacks_fd = _arm_stacks_ahead()
-        comm = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)  # one write at the wake
+        own_name = name.encode()
         _warm_up(zygote, stacks_fd, rehearsal)
         os.close(rehearsal.payload)  # the zygote's: no rank inherits it
         _name_stacks(slot, stacks_fd)
@@ -113,10 +113,7 @@ def in_ready_worker(
         if not message:
             os._exit(0)  # retired
         mine.close()
-        try:
-            os.write(comm, name.encode())
-        finally:
-            os.close(comm)
+        oscall.set_name(own_name)
         _setsignal(signal.SIGINT, interrupt)
         if _interrupted_at >= ASSIGN.unpack_from(message)[-1]:
             signal.raise_signal(signal.SIGINT)  # as the rank's, handled as lent
