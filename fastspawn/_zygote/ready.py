@@ -155,15 +155,18 @@ class ReadyPool:
         self.coming_up: dict[object, float] = {}
         self.held_until = 0.0
         # What the workers made ready rehearse their wake on, made in the
-        # zygote for them (see forget_rehearsal).
+        # zygote for them; and one forgotten since, closed by the next fill
+        # (see forget_rehearsal).
         self.rehearsal: Rehearsal | None = None
+        self.forgotten: Rehearsal | None = None
         # Seconds the last fork loop of ready workers took a worker: what
         # one more adds to a step of the refill (see refill).
         self.fork_time = 0.001
 
     def fds(self) -> list[int]:
         ends = (*self.waiting.values(), *self.theirs.values(), *self.spent)
-        return [end.fileno() for end in ends]
+        forgotten = [self.forgotten.payload] if self.forgotten is not None else []
+        return [end.fileno() for end in ends] + forgotten
 
     def spend(self, end: socket.socket) -> None:
         """Keep ``end``, of a worker a launch took, open until the zygote
@@ -180,13 +183,18 @@ class ReadyPool:
         self.spent.append(end)
 
     def close_spent(self, close_fds: Sequence[int] = ()) -> list[int]:
-        """Close what spend() kept (the ranks are up by now): ``close_fds``
-        (a list of the zygote's fds, for workers to close) without those,
-        whose numbers the next fds may take."""
+        """Close what spend() kept (the ranks are up by now) and the
+        rehearsal forget_rehearsal() left open: ``close_fds`` (a list of the
+        zygote's fds, for workers to close) without those, whose numbers the
+        next fds may take."""
         closed = {end.fileno() for end in self.spent}
         for end in self.spent:
             end.close()
         self.spent.clear()
+        if self.forgotten is not None:
+            closed.add(self.forgotten.payload)
+            self.forgotten.close()
+            self.forgotten = None
         return [fd for fd in close_fds if fd not in closed]
 
     def wanted(self) -> int:
@@ -388,10 +396,17 @@ class ReadyPool:
         makes the rehearsal again.  Kept between them, it is made once for
         a whole refill: made a step at a time, it took the zygote some 0.5
         ms a step and 100 page copies (its pages, shared with the workers
-        made before, are copied as it writes them: AMD EPYC).  Closed then,
-        no rank a launch forks inherits its memfd."""
+        made before, are copied as it writes them: AMD EPYC).
+
+        Its memfd is closed before the next fill (close_spent), not here: at
+        a launch's message that close took 93-103 us of the zygote's before
+        its first wake (torch preloaded, AMD EPYC), which the launch waited
+        for.  Until then it is among fds(), which the ranks a launch forks
+        close before anything of theirs runs."""
         if self.rehearsal is not None:
-            self.rehearsal.close()
+            if self.forgotten is not None:
+                self.forgotten.close()  # (not so far: one is made after close_spent)
+            self.forgotten = self.rehearsal
             self.rehearsal = None
 
     def _new_slots(self, count: int, taken: Collection[int] = ()) -> list[int]:
