@@ -155,8 +155,8 @@ class ReadyPool:
         self.coming_up: dict[object, float] = {}
         self.held_until = 0.0
         # What the workers made ready rehearse their wake on, made in the
-        # zygote for them; and one forgotten since, closed by the next fill
-        # (see forget_rehearsal).
+        # zygote for them; and one forgotten since, closed before the next
+        # fill (see forget_rehearsal).
         self.rehearsal: Rehearsal | None = None
         self.forgotten: Rehearsal | None = None
         # Seconds the last fork loop of ready workers took a worker: what
@@ -405,7 +405,7 @@ class ReadyPool:
         close before anything of theirs runs."""
         if self.rehearsal is not None:
             if self.forgotten is not None:
-                self.forgotten.close()  # (not so far: one is made after close_spent)
+                self.forgotten.close()  # (never yet: fill makes one after close_spent)
             self.forgotten = self.rehearsal
             self.rehearsal = None
 
