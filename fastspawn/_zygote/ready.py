@@ -404,8 +404,7 @@ class ReadyPool:
         for.  Until then it is among fds(), which the ranks a launch forks
         close before anything of theirs runs."""
         if self.rehearsal is not None:
-            if self.forgotten is not None:
-                self.forgotten.close()  # (never yet: fill makes one after close_spent)
+            # (None is set aside now: fill makes a rehearsal only after close_spent.)
             self.forgotten = self.rehearsal
             self.rehearsal = None
 
