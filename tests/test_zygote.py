@@ -565,6 +565,28 @@ def test_launch_retries_when_the_zygote_dies_after_the_liveness_check(monkeypatc
     assert calls[0] == server.pid and len(calls) >= 2
 
 
+def test_a_launch_the_zygote_died_before_taking_goes_to_a_new_one(monkeypatch):
+    # Its guard SIGKILLed a moment before, the zygote looks alive as the
+    # launch is sent, and dies before it reads it (a chaos round saw it):
+    # none of the launch's ranks started, so a new zygote takes it.
+    client.get_server()
+    zygote = client.zygote_pid()
+    os.kill(zygote, signal.SIGSTOP)  # it reads nothing more
+    original = client.ZygoteClient.send_launch
+    sent = []
+
+    def then_die(self, *args):
+        original(self, *args)
+        sent.append(self.zygote_pid())
+        if len(sent) == 1:
+            os.kill(zygote, signal.SIGKILL)
+
+    monkeypatch.setattr(client.ZygoteClient, "send_launch", then_die)
+    ctx = fastspawn.start_processes(workers.succeed, nprocs=2)
+    assert ctx.return_values == {0: 0, 1: 1}
+    assert sent[0] == zygote and len(sent) == 2 and sent[1] != zygote
+
+
 def _anon_huge_kib(pid: int) -> int:
     return hugepages.smaps_rollup(pid)["AnonHugePages"]
 

@@ -31,6 +31,7 @@ EXIT = 4  # body: int32 (rank, exit status) pairs (server)
 PIDS = 5  # body: int32 pids for ranks rank, rank+1, ...; pidfds as SCM_RIGHTS
 LAUNCH_FAILED = 6  # body: a LaunchFailure (rank -1)
 GROUP = 7  # body: int32 id of the launch's process group (server, rank -1)
+TAKEN = 8  # empty: the zygote took the launch, before any rank of it could start (rank -1)
 
 MAX_FDS = 250  # SCM_MAX_FD is 253 per message
 
@@ -135,6 +136,9 @@ class Reports:
         self.pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd)
         self.group = 0  # the workers' process group (zygote launches), 0: none
         self.launch_failed: LaunchFailure | None = None
+        # The zygote's first message (TAKEN): a launch whose channel ends
+        # before it started no rank, and may go to another zygote.
+        self.taken = False
         self.eof = False
         self._partial: dict[tuple[int, int], list[bytes]] = {}
 
@@ -219,7 +223,9 @@ class Receiver:
             return
         for fd in fds:  # no other kind carries fds
             os.close(fd)
-        if kind == GROUP:
+        if kind == TAKEN:
+            self.reports.taken = True
+        elif kind == GROUP:
             self.reports.group = unpack_statuses(body)[0]
         elif kind == EXIT:
             pairs = unpack_statuses(body)
@@ -264,6 +270,20 @@ class Receiver:
             r.unpicklable[rank] = whole.decode("utf-8", "replace")
         elif kind == LAUNCH_FAILED:
             r.launch_failed = LaunchFailure.decode(whole)
+
+    def renew(self) -> socket.socket:
+        """A new channel in place of one that ended with nothing said on it
+        (a launch sent again): its sending end is returned, for the caller
+        to close once sent."""
+        from fastspawn._os import oscall  # the caller's side only: workers never read
+
+        with oscall.held_signals():  # made, and in place of the old one
+            rx, tx = channel_pair()
+            rx.setblocking(False)
+            self.sock.close()
+            self.sock = rx
+            self.reports = Reports()
+        return tx
 
     def close(self) -> None:
         self.sock.close()

@@ -43,6 +43,16 @@ def append_trailer(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def drop_trailer(fd: int) -> None:
+    """Take the trailer off again, leaving the work (a launch sent once
+    more, with a header of its own)."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    (size,) = _LENGTH.unpack(os.pread(fd, _LENGTH.size, end - _LENGTH.size))
+    start = end - _LENGTH.size - size
+    os.ftruncate(fd, start)
+    os.lseek(fd, start, os.SEEK_SET)
+
+
 def read_trailer(payload: IO[bytes]) -> tuple[Any, int]:
     """The payload's trailer, unpickled, and where it starts (the size of
     the work before it); ``payload`` is left at the start of the work."""

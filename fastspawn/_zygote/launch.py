@@ -95,6 +95,20 @@ class Launch:
         return self.live == 0 and not self.outbox and not self.exits
 
 
+def say_taken(tx: socket.socket) -> None:
+    """The first message of a launch, before any rank of it can start: a
+    caller whose channel ends without it knows that none did, and sends
+    the launch to a new zygote (this one died as it came: its guard was
+    SIGKILLed a moment before, say, and our SIGTERM had not landed yet)."""
+    try:
+        tx.send(_TAKEN, socket.MSG_DONTWAIT)
+    except OSError:
+        pass  # the caller closed its end: the launch finds out as it goes on
+
+
+_TAKEN = _channel.HEADER.pack(-1, _channel.TAKEN, _channel.LAST)
+
+
 def adopt_tracker(fd: int) -> None:
     """Share the caller's multiprocessing resource tracker (its pipe comes in
     with each launch) while the launch's fn and args are unpickled and its

@@ -29,6 +29,7 @@ from fastspawn._zygote.launch import (
     holds_caller_state,
     import_all,
     release_tracker,
+    say_taken,
     send_pidfds,
     take_on_caller,
 )
@@ -272,6 +273,7 @@ class Zygote:
         carry and the ranks' stdio fds, those that did not fit following in
         messages of their own."""
         tx = socket.socket(fileno=fds[0])
+        say_taken(tx)
         # The header (environment, sys.path, per-rank envs) travels in the
         # memfd, not in the control message, whose size is capped (~200 KB).
         # The memfd stays open for the ready workers, which read it too.

@@ -35,11 +35,17 @@ class Zygote(StartMethod):
         # On the caller's thread: the zygote does the forking.
         try:
             server = _send_launch(req, tx)
+            if _receive_workers(req, rx, started, server, isinstance(server, client.ZygoteClient)):
+                return
+            # The zygote died before it took the launch (the channel ended
+            # without its first word, see say_taken): none of its ranks
+            # started.  Once its exit shows, a new zygote takes it.
+            server.wait_until_dead()
+            tx = rx.renew()
+            server = _send_launch(req, tx, again=True)
+            _receive_workers(req, rx, started, server, False)
         finally:
-            # Our copy must go before we wait: if the zygote dies, the
-            # channel's EOF is how we learn it.
-            tx.close()
-        _receive_workers(req, rx, started, server)
+            common.discard_work(req)
 
     def helper_pids(self) -> set[int]:
         return client.helper_processes()[0]
@@ -76,16 +82,23 @@ def _per_rank_stdio(req: LaunchRequest) -> tuple[list[tuple[int, int]], list[int
     return slots, fds
 
 
-def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient | link.RootLink:
+def _send_launch(
+    req: LaunchRequest, tx: socket.socket, again: bool = False
+) -> client.ZygoteClient | link.RootLink:
     """Send the launch to the zygote (started if need be, and once more if
     it died meanwhile): the pickled fn and args in a memfd, then the
     launch's header; the fds they carry, the ranks' stdio and the caller's.
-    Returns the handle of the zygote that took it."""
-    cwd = common.current_dir()
-    payload_fd, user_fds = req.work or common.pickle_work(req)
-    user_fds = list(user_fds)  # the request's stays as pickled
+    Closes ``tx`` (our copy must go before we wait: if the zygote dies, the
+    channel's EOF is how we learn it).  ``again``: the memfd went to a
+    zygote that died before it took it, and its header goes.  Returns the
+    handle of the zygote the launch went to."""
     opened: list[int] = []
     try:
+        cwd = common.current_dir()
+        payload_fd, user_fds = req.work or common.pickle_work(req)
+        user_fds = list(user_fds)  # the request's stays as pickled
+        if again:
+            payload.drop_trailer(payload_fd)
         tracker = common.tracker_fd()
         tracker_index = None
         if tracker is not None:
@@ -125,7 +138,7 @@ def _send_launch(req: LaunchRequest, tx: socket.socket) -> client.ZygoteClient |
             server = client.get_server()
             server.send_launch(tx.fileno(), payload_fd, carried)
     finally:
-        common.discard_work(req)
+        tx.close()
         for fd in opened:
             os.close(fd)
     return server
@@ -136,9 +149,12 @@ def _receive_workers(
     rx: Receiver,
     started: Started,
     server: client.ZygoteClient | link.RootLink,
-) -> None:
+    may_resend: bool,
+) -> bool:
     """Read the workers' pidfds off the launch's channel into ``started``,
-    naming their groups to the zygote's watcher as they come."""
+    naming their groups to the zygote's watcher as they come.  False, with
+    ``may_resend``, if the channel ended before the zygote took the launch
+    (nothing was said on it, nothing started); else True, or raise."""
     reports = rx.reports
     watched_ranks: set[int] = set()
 
@@ -163,9 +179,12 @@ def _receive_workers(
             if not rx.read_blocking(None) and reports.eof:
                 break
             watch_new_groups()
+        if may_resend and reports.eof and not reports.taken:
+            return False
         # Inside the try: a Ctrl-C raised as this call starts, before the
         # pidfds moved to ``started``, must not leave them open.
         _take_workers(req, rx, started)
+        return True
     except BaseException:
         # Ctrl-C, say: kill what we heard of (pidfds already queued on the
         # channel included).  Ranks forked after this go when the zygote
