@@ -129,6 +129,21 @@ class _StopSignals:
             self.closed = True
 
 
+def _later_signals_do_nothing() -> None:
+    """A first stop signal decided the exit status and no rank is left to
+    stop: later ones do nothing, as _StopSignals's do after its close.
+    elastic's handlers, in place outside an attempt's run, would raise from
+    the launcher's way out (a SIGTERM right behind a SIGINT, landing as
+    run_attempts put the SIGUSR1 handler back: a traceback and exit 1)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, _do_nothing)
+
+
+def _do_nothing(signum: int, frame: object) -> None:
+    pass
+
+
 def first_signal(exc: elastic.SignalException) -> signal.Signals:
     """The stop signal that came first.  Before the launcher's own handlers
     are in place (_StopSignals), each signal raises: one that comes while
@@ -255,6 +270,7 @@ def run_with_agent(args: argparse.Namespace, program: Program) -> int:
         print(f"fastspawn run: the rendezvous failed: {exc}", file=sys.stderr)
         return 1
     except elastic.SignalException as exc:
+        _later_signals_do_nothing()  # the agent stopped every rank
         first = first_signal(exc)
         print(f"fastspawn run: got {first.name}, stopped every rank", file=sys.stderr)
         return 128 + int(first)
@@ -306,6 +322,7 @@ def _run_attempts(
     except elastic.SignalException as exc:
         # Between two attempts (the last one's ranks closed, the next not
         # started yet): nothing runs, so just stop.
+        _later_signals_do_nothing()
         first = first_signal(exc)
         print(f"fastspawn run: got {first.name}, stopping", file=sys.stderr)
         return 128 + int(first)
@@ -368,8 +385,10 @@ def run_attempt(
         ctx.close(timeout=10)
         return failure
     except elastic.SignalException as exc:
-        first = first_signal(exc)
         if ctx is None:  # start_processes stopped what it had started
+            _later_signals_do_nothing()
+        first = first_signal(exc)
+        if ctx is None:
             print(f"fastspawn run: got {first.name}, stopping", file=sys.stderr)
         else:
             (stop_signals or _StopSignals(ctx)).stop(first)
