@@ -342,6 +342,7 @@ def test_zygote_died_hint(tmp_path):
         cwd=tmp_path,
     )
     assert "the zygote died during the launch" in done.stdout, done.stdout + done.stderr
+    assert "exited with status 3" in done.stdout
     assert "move it under that guard" in done.stdout
     done = run_script(
         tmp_path / "inside.py",

@@ -156,6 +156,7 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
         if not ready or not isinstance(outcome[0], fastspawn.ProcessExitedException):
             assert isinstance(outcome[0], RuntimeError), outcome
             assert "the zygote died during the launch" in str(outcome[0])
+            assert f"its guard, pid {guard}, was killed by SIGKILL" in str(outcome[0])
         with pytest.raises(fastspawn.ProcessExitedException):
             while not ctx.join(timeout=30):
                 pass
@@ -167,6 +168,47 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
                 pass
         thread.join(60)
         sys.modules.pop("slow_in_the_zygote", None)
+    assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
+
+
+def test_a_launch_whose_zygote_is_sigkilled_says_so(tmp_path, monkeypatch):
+    # The OOM killer, say, in the middle of a launch (here: its unpickling):
+    # the error names the signal, not code of __main__'s as the cause.
+    importing = tmp_path / "importing"
+    (tmp_path / "slow_before_a_kill.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\ntime.sleep(60)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    client.get_server()
+    assert fastspawn.prefork(0, refill=False) == 0  # the zygote unpickles: no ready worker
+    zygote = client.zygote_pid()
+    outcome: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            fastspawn.start_processes(
+                workers.module_name,
+                (workers.ImportedWhereUnpickled("slow_before_a_kill"),),
+                nprocs=2,
+            )
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not importing.exists():
+            assert time.monotonic() < deadline, "the zygote did not start the import"
+            time.sleep(0.05)
+        os.kill(zygote, signal.SIGKILL)
+    finally:
+        thread.join(60)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    message = str(outcome[0])
+    assert f"the launch: it, pid {zygote}, was killed by SIGKILL, by the kernel's OOM" in message
+    assert "move it under that guard" not in message
     assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
 
 

@@ -9,7 +9,8 @@ the payload (fn and args, pickled once) travels as a memfd, the launch's
 report channel and any fds the arguments carry as SCM_RIGHTS.  The zygote
 unpickles once and forks every rank from that state.  Its first word on
 the channel (TAKEN) comes before any rank can start: a launch whose channel
-ends without it started nothing, and the caller sends it to a new zygote.
+ends without it started nothing, and if the zygote was killed (or stopped),
+the caller sends it to a new one.
 
 Orphan safety, as a chain with no gaps:
 - the zygote watches the caller *process* with a pidfd (and its control

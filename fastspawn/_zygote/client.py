@@ -53,6 +53,10 @@ class ZygoteClient(HelperClient, link.Sender):
         self.closed = False
         self._zygote_pid: int | None = None  # see zygote_pid()
         self.zygote_fd = -1  # the watcher's pidfd of it
+        # The guard's exit status, once the watcher reaped it: the zygote's
+        # own exit code, 128 + the signal that killed it, or minus the
+        # signal that killed the guard (see how_it_died).
+        self.guard_status: int | None = None
         # Process groups of launches whose workers may still run (as the
         # zygote names them); added by the launcher, dropped when joined.
         self.groups: set[int] = set()
@@ -129,10 +133,35 @@ class ZygoteClient(HelperClient, link.Sender):
                 pass
         self._reap_adopted_zygote()
         try:
-            oscall.pidfd_wait(self.pidfd, nohang=False)
+            self.guard_status = oscall.pidfd_wait(self.pidfd, nohang=False)
         except ChildProcessError:
             pass
         self.dead.set()
+
+    def how_it_died(self, timeout: float = 5.0) -> tuple[str, bool] | None:
+        """Why the zygote is gone, once the watcher saw it go (None if that
+        does not come within ``timeout`` seconds): what to say, and whether
+        something outside it ended it (a SIGKILL of it or of its guard,
+        stop_zygote()), not its own code."""
+        if not self.dead.wait(timeout):
+            return None
+        if self.closed:
+            return "fastspawn.stop_zygote() stopped it", True
+        status = self.guard_status
+        if status is None:
+            return None
+        if status < 0:
+            return f"its guard, pid {self.pid}, was killed by {_signal_name(-status)}", True
+        zygote = f"it, pid {self._zygote_pid}," if self._zygote_pid else "it"
+        if status > 128 and status - 128 in signal.valid_signals():
+            if status - 128 == signal.SIGKILL:
+                return (
+                    f"{zygote} was killed by SIGKILL, by the kernel's OOM killer when memory "
+                    "ran out (`dmesg` says so) or by another process",
+                    True,
+                )
+            return f"{zygote} was killed by {_signal_name(status - 128)}", False
+        return f"{zygote} exited with status {status}", False
 
     def _open_zygote_fd(self) -> None:
         """A pidfd of the zygote proper, opened while its guard (our child,
@@ -211,6 +240,13 @@ class ZygoteClient(HelperClient, link.Sender):
             self.dead.wait(30)
         self.watcher.join(5)
         os.close(self.pidfd)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _group_has_live_members(group: int) -> bool:

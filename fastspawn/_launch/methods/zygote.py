@@ -37,9 +37,9 @@ class Zygote(StartMethod):
             server = _send_launch(req, tx)
             if _receive_workers(req, rx, started, server, isinstance(server, client.ZygoteClient)):
                 return
-            # The zygote died before it took the launch (the channel ended
-            # without its first word, see say_taken): none of its ranks
-            # started.  Once its exit shows, a new zygote takes it.
+            # The zygote was killed before it took the launch (the channel
+            # ended without its first word, see say_taken): none of its
+            # ranks started.  A new zygote takes it.
             server.wait_until_dead()
             tx = rx.renew()
             server = _send_launch(req, tx, again=True)
@@ -154,7 +154,8 @@ def _receive_workers(
     """Read the workers' pidfds off the launch's channel into ``started``,
     naming their groups to the zygote's watcher as they come.  False, with
     ``may_resend``, if the channel ended before the zygote took the launch
-    (nothing was said on it, nothing started); else True, or raise."""
+    (nothing was said on it, nothing started) and something outside the
+    zygote ended it; else True, or raise."""
     reports = rx.reports
     watched_ranks: set[int] = set()
 
@@ -179,11 +180,11 @@ def _receive_workers(
             if not rx.read_blocking(None) and reports.eof:
                 break
             watch_new_groups()
-        if may_resend and reports.eof and not reports.taken:
+        if may_resend and reports.eof and not reports.taken and _ended_from_outside(server):
             return False
         # Inside the try: a Ctrl-C raised as this call starts, before the
         # pidfds moved to ``started``, must not leave them open.
-        _take_workers(req, rx, started)
+        _take_workers(req, rx, started, server)
         return True
     except BaseException:
         # Ctrl-C, say: kill what we heard of (pidfds already queued on the
@@ -199,7 +200,20 @@ def _receive_workers(
         raise
 
 
-def _take_workers(req: LaunchRequest, rx: Receiver, started: Started) -> None:
+def _ended_from_outside(server: client.ZygoteClient | link.RootLink) -> bool:
+    """Whether a SIGKILL (of the zygote or its guard) or stop_zygote() ended
+    the zygote: a new one takes its launch.  One that ended itself (code
+    of __main__'s at its start, a crash) would only end again."""
+    death = server.how_it_died() if isinstance(server, client.ZygoteClient) else None
+    return death is not None and death[1]
+
+
+def _take_workers(
+    req: LaunchRequest,
+    rx: Receiver,
+    started: Started,
+    server: client.ZygoteClient | link.RootLink,
+) -> None:
     """Move the pidfds received into ``started``; raise if the launch failed."""
     reports = rx.reports
     with oscall.held_signals():  # the pidfds move from the reports to ``started``
@@ -207,12 +221,14 @@ def _take_workers(req: LaunchRequest, rx: Receiver, started: Started) -> None:
         reports.pids.clear()
     if reports.launch_failed is not None or len(started) < req.nprocs:
         common.end_group(req, started)
-        raise _launch_error(reports.launch_failed)
+        raise _launch_error(reports.launch_failed, server)
     if req.process_group:
         req.group = reports.group
 
 
-def _launch_error(failure: LaunchFailure | None) -> Exception:
+def _launch_error(
+    failure: LaunchFailure | None, server: client.ZygoteClient | link.RootLink
+) -> Exception:
     """What the caller raises for a launch the zygote could not start: the
     OSError subclass of the system call that failed there, as if it had
     failed here (BlockingIOError when fork met RLIMIT_NPROC); else a
@@ -220,15 +236,21 @@ def _launch_error(failure: LaunchFailure | None) -> Exception:
     if failure is not None and failure.errno:
         return oscall.oserror(failure.errno, failure.call)
     if failure is not None:
-        why = failure.detail
+        return RuntimeError(f"fastspawn: the zygote could not start the workers:\n{failure.detail}")
+    death = server.how_it_died() if isinstance(server, client.ZygoteClient) else None
+    why = "the zygote died during the launch"
+    if death is not None:
+        why += f": {death[0]}"
+    if death is not None and death[1]:
+        why += "; the next launch starts a new zygote"
     else:
         # Not a __main__ without the guard: that fails each rank, as under
         # spawn, and the zygote lives on (_zygote.main._failure_of).
-        why = (
-            "the zygote died during the launch; what it printed on stderr says why. The "
-            "zygote runs the code of __main__ outside `if __name__ == '__main__':`, as a "
-            "spawned worker does: code there that ends the process (os._exit(), a crash "
-            "in an extension) ends the zygote; move it under that guard"
+        why += (
+            "; what it printed on stderr says why. The zygote runs the code of __main__ "
+            "outside `if __name__ == '__main__':`, as a spawned worker does: code there "
+            "that ends the process (os._exit(), a crash in an extension) ends the zygote; "
+            "move it under that guard"
         )
     return RuntimeError(f"fastspawn: the zygote could not start the workers:\n{why}")
 
