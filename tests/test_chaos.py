@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -265,6 +266,32 @@ class Kill:
     moment: float = 0.0  # seconds after the caller's "ready"
     at: float = 0.0  # time.monotonic() when sent
     note: str = ""
+    # When the victim's exit showed (its pidfd readable), set by ``landing``,
+    # a thread: a SIGKILL takes effect once the victim runs again, which on
+    # a busy host can be milliseconds after it was sent.
+    landed: float | None = None
+    landing: threading.Thread | None = None
+
+    def landed_after(self, moment: float) -> bool:
+        """Whether the victim was still there at ``moment`` (its exit seen
+        later, or not at all within the round)."""
+        if self.landing is not None:
+            self.landing.join(PATIENCE_S)
+        return self.landed is None or self.landed > moment
+
+
+def watch_landing(kill: Kill, pidfd: int) -> None:
+    """Record in ``kill`` when the process behind ``pidfd`` exits."""
+
+    def wait() -> None:
+        try:
+            if select.select([pidfd], [], [], ROUND_LIMIT_S + PATIENCE_S)[0]:
+                kill.landed = time.monotonic()
+        finally:
+            os.close(pidfd)
+
+    kill.landing = threading.Thread(target=wait, daemon=True)
+    kill.landing.start()
 
 
 def events(folder: Path) -> dict[str, dict[str, Any]]:
@@ -297,13 +324,23 @@ def deliver(plan: Plan, driver: subprocess.Popen[bytes], folder: Path, ready: fl
             victim = find_helper(driver.pid, plan.target)
         if victim is not None:
             try:
+                # Opened first, then the victim's identity checked (psutil
+                # compares its start time): the pidfd is the victim's.
+                pidfd = os.pidfd_open(victim.pid)
+            except OSError:
+                pidfd = -1  # gone meanwhile
+            try:
+                if pidfd < 0 or (isinstance(victim, psutil.Process) and not victim.is_running()):
+                    raise ProcessLookupError
                 victim.send_signal(signal.SIGKILL)
             except (psutil.Error, ProcessLookupError):
-                pass  # gone meanwhile: look again
+                if pidfd >= 0:
+                    os.close(pidfd)
             else:
                 kill.sent, kill.pid = True, victim.pid
                 kill.at = time.monotonic()
                 kill.moment = kill.at - ready
+                watch_landing(kill, pidfd)
                 return kill
         time.sleep(0.005)
     kill.note = "not sent: the caller exited first"
@@ -506,8 +543,10 @@ def _drive(
     if after is None:
         if not caller_killed:
             problems.append(f"the caller exited {code} before its next launch ended")
-    elif after["outcome"] != "returned" and not (kill.sent and kill.at > result["time"]):
-        # A helper killed during the launch under test is replaced by the next.
+    elif after["outcome"] != "returned" and not (kill.sent and kill.landed_after(result["time"])):
+        # A helper killed during the launch under test is replaced by the
+        # next; one whose death landed after that launch ended (the kill
+        # sent before it, the victim not yet run) may fail the next.
         problems.append(f"the next launch raised {after['type']}: {after['message']}")
     if code != 0 and not caller_killed:
         problems.append(f"the caller exited {code} after its report")
