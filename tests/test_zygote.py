@@ -96,6 +96,22 @@ def test_sigkill_of_zygote_kills_workers_and_their_children(victim, daemons):
         kill_driver(driver)
 
 
+def _launch_importing(module: str, outcome: list[BaseException]) -> threading.Thread:
+    """A thread, not started, that launches two ranks with an argument that
+    imports ``module`` where it is unpickled; what the launch raises goes to
+    ``outcome``."""
+
+    def launch() -> None:
+        try:
+            fastspawn.start_processes(
+                workers.module_name, (workers.ImportedWhereUnpickled(module),), nprocs=2
+            )
+        except BaseException as exc:
+            outcome.append(exc)
+
+    return threading.Thread(target=launch)
+
+
 @pytest.mark.parametrize("ready", [False, True], ids=["forked", "ready_workers"])
 def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypatch, ready):
     # The guard's death reaches the zygote as SIGTERM, raised as SystemExit
@@ -119,18 +135,7 @@ def test_sigkill_of_guard_while_the_zygote_prepares_a_launch(tmp_path, monkeypat
     )
     pids: list[int] = []
     outcome: list[BaseException] = []
-
-    def launch() -> None:
-        try:
-            fastspawn.start_processes(
-                workers.module_name,
-                (workers.ImportedWhereUnpickled("slow_in_the_zygote"),),
-                nprocs=2,
-            )
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=launch)
+    thread = _launch_importing("slow_in_the_zygote", outcome)
     try:
         deadline = time.monotonic() + 30
         while len(os.listdir(folder)) < 2:
@@ -183,18 +188,7 @@ def test_a_launch_whose_zygote_is_sigkilled_says_so(tmp_path, monkeypatch):
     assert fastspawn.prefork(0, refill=False) == 0  # the zygote unpickles: no ready worker
     zygote = client.zygote_pid()
     outcome: list[BaseException] = []
-
-    def launch() -> None:
-        try:
-            fastspawn.start_processes(
-                workers.module_name,
-                (workers.ImportedWhereUnpickled("slow_before_a_kill"),),
-                nprocs=2,
-            )
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=launch)
+    thread = _launch_importing("slow_before_a_kill", outcome)
     thread.start()
     try:
         deadline = time.monotonic() + 30
