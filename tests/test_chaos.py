@@ -334,7 +334,7 @@ def deliver(plan: Plan, driver: subprocess.Popen[bytes], folder: Path, ready: fl
                     raise ProcessLookupError
                 victim.send_signal(signal.SIGKILL)
             except (psutil.Error, ProcessLookupError):
-                if pidfd >= 0:
+                if pidfd >= 0:  # gone meanwhile: look again
                     os.close(pidfd)
             else:
                 kill.sent, kill.pid = True, victim.pid
