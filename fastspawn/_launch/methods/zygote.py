@@ -35,12 +35,12 @@ class Zygote(StartMethod):
         # On the caller's thread: the zygote does the forking.
         try:
             server = _send_launch(req, tx)
-            if _receive_workers(req, rx, started, server, isinstance(server, client.ZygoteClient)):
+            if _receive_workers(req, rx, started, server, True):
                 return
             # The zygote was killed before it took the launch (the channel
             # ended without its first word, see say_taken): none of its
-            # ranks started.  A new zygote takes it.
-            server.wait_until_dead()
+            # ranks started.  Its watcher has seen it go (_death waited for
+            # that): a new zygote takes the launch.
             tx = rx.renew()
             server = _send_launch(req, tx, again=True)
             _receive_workers(req, rx, started, server, False)
@@ -200,11 +200,17 @@ def _receive_workers(
         raise
 
 
+def _death(server: client.ZygoteClient | link.RootLink) -> tuple[str, bool] | None:
+    """How the zygote ended (ZygoteClient.how_it_died); None through a link,
+    whose zygote's death is this process's own."""
+    return server.how_it_died() if isinstance(server, client.ZygoteClient) else None
+
+
 def _ended_from_outside(server: client.ZygoteClient | link.RootLink) -> bool:
     """Whether a SIGKILL (of the zygote or its guard) or stop_zygote() ended
     the zygote: a new one takes its launch.  One that ended itself (code
     of __main__'s at its start, a crash) would only end again."""
-    death = server.how_it_died() if isinstance(server, client.ZygoteClient) else None
+    death = _death(server)
     return death is not None and death[1]
 
 
@@ -237,7 +243,7 @@ def _launch_error(
         return oscall.oserror(failure.errno, failure.call)
     if failure is not None:
         return RuntimeError(f"fastspawn: the zygote could not start the workers:\n{failure.detail}")
-    death = server.how_it_died() if isinstance(server, client.ZygoteClient) else None
+    death = _death(server)
     why = "the zygote died during the launch"
     if death is not None:
         why += f": {death[0]}"
