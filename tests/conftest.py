@@ -35,6 +35,9 @@ def _fds() -> dict[int, str]:
 
 def _helpers() -> tuple[set[int], set[int]]:
     pids, fds = client.helper_processes()
+    zygote = client.zygote_pid() if pids else None
+    if zygote is not None:
+        pids |= client.held_ahead(zygote)  # the spare group's anchor too
     warden_pids, warden_fds = _warden_client.warden_process()
     pids |= warden_pids
     fds |= warden_fds

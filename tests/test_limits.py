@@ -68,7 +68,9 @@ DRIVER = """
 
 
     def helpers():
-        return client.helper_processes()[0] | _warden_client.warden_process()[0]
+        pids = client.helper_processes()[0] | _warden_client.warden_process()[0]
+        zygote = client.zygote_pid() if pids else None
+        return pids | (client.held_ahead(zygote) if zygote else set())
 
 
     def zygote_nproc_limit(pid):
@@ -305,11 +307,11 @@ def test_the_zygote_moves_its_soft_nproc_limit_only_and_puts_it_back():
 
 
 def _processes_now() -> set[int]:
-    """Our descendants, but the zygote's ready workers (made in the
-    background whenever the zygote is idle)."""
+    """Our descendants, but the zygote's ready workers and its spare
+    group's anchor (made in the background whenever the zygote is idle)."""
     zygote = client.zygote_pid()
-    ready = client.ready_workers(zygote) if zygote is not None else set()
-    return {child.pid for child in psutil.Process().children(recursive=True)} - ready
+    ahead = client.held_ahead(zygote) if zygote is not None else set()
+    return {child.pid for child in psutil.Process().children(recursive=True)} - ahead
 
 
 def _assert_nothing_started(before: set[int]) -> None:

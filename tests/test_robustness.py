@@ -246,9 +246,9 @@ def _children(pid: int) -> list[str]:
 
 
 def _workers_of(zygote: int) -> list[str]:
-    """The zygote's children but its ready workers."""
-    ready = {str(pid) for pid in client.ready_workers(zygote)}
-    return [pid for pid in _children(zygote) if pid not in ready]
+    """The zygote's children but its ready workers and spare group."""
+    ahead = {str(pid) for pid in client.held_ahead(zygote)}
+    return [pid for pid in _children(zygote) if pid not in ahead]
 
 
 @pytest.mark.parametrize("start_method", ["zygote", "fork", "spawn"])
@@ -362,7 +362,7 @@ def test_out_of_fds_gives_a_clear_error_and_leaves_nothing():
         deadline = time.monotonic() + 10
         while True:
             with open(f"/proc/{zygote}/task/{zygote}/children") as f:
-                left = set(map(int, f.read().split())) - client.ready_workers(zygote)
+                left = set(map(int, f.read().split())) - client.held_ahead(zygote)
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

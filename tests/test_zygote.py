@@ -19,7 +19,7 @@ import workers
 from helpers import KILL_BOUND_S, alive_after, gone, kill_driver, run_script
 
 import fastspawn
-from fastspawn._os import hugepages
+from fastspawn._os import hugepages, oscall
 from fastspawn._wire import payload as wire_payload
 from fastspawn._wire import pickling
 from fastspawn._zygote import client, protocol
@@ -813,3 +813,29 @@ def test_a_group_with_only_a_zombie_left_has_no_live_members():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_next_launch_takes_a_process_group_anchored_ahead():
+    # Once idle after a launch with a group of its own, the zygote anchors
+    # the next one's ahead (Forker.make_spare_group): a zombie child named
+    # for what it is (client.spare_group finds it so); the next launch's
+    # ranks are in its group, and it goes with the zygote.
+    first = fastspawn.start_processes(workers.process_group, nprocs=2).return_values
+    zygote = client.zygote_pid()
+    assert zygote is not None
+    deadline = time.monotonic() + 10
+    spare: set[int] = set()
+    while not spare and time.monotonic() < deadline:
+        time.sleep(0.01)
+        spare = client.spare_group(zygote)
+    assert len(spare) == 1, "no spare group was anchored in 10 s"
+    (anchor,) = spare
+    assert _state(anchor) == "Z" and os.getpgid(anchor) == anchor
+    assert oscall.ANCHOR_NAME == "fastspawn-group"  # csrc/group.c names it so
+    second = fastspawn.start_processes(workers.process_group, nprocs=2).return_values
+    assert second == {0: anchor, 1: anchor} and anchor not in first.values()
+    fastspawn.stop_zygote()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{anchor}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{anchor}")  # reaped as the zygote shut down

@@ -191,12 +191,16 @@ def pidfd_open(pid: int) -> int:
     return int(fd)
 
 
+# The name an anchor takes before it exits (csrc/group.c): its zombie's.
+ANCHOR_NAME = "fastspawn-group"
+
+
 def group_anchor() -> int:
     """Make a new process group whose leader has already exited; return its
-    id.  The leader stays a zombie (holding the group and its id) until
-    :func:`release_group_anchor`, to be called once the group's members have
-    joined it (``os.setpgid(pid, group)``): no member leads the group, so
-    each may still call ``setsid()``."""
+    id.  The leader stays a zombie (holding the group and its id, named
+    ANCHOR_NAME) until :func:`release_group_anchor`, to be called once the
+    group's members have joined it (``os.setpgid(pid, group)``): no member
+    leads the group, so each may still call ``setsid()``."""
     pid = lib.fs_group_anchor()
     if pid < 0:
         _raise_errno("fs_group_anchor")

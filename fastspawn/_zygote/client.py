@@ -392,15 +392,35 @@ def helper_processes() -> tuple[set[int], set[int]]:
 def ready_workers(zygote: int) -> set[int]:
     """The zygote's ready workers (see fastspawn._zygote.ready) as they
     are now: its children waiting under their name."""
-    ready = set()
+    return _children_named(zygote, READY_NAME)
+
+
+def spare_group(zygote: int) -> set[int]:
+    """The anchor of the zygote's spare process group, if it has made one
+    (see Forker.make_spare_group): a zombie child, no helper (it runs
+    nothing)."""
+    return _children_named(zygote, oscall.ANCHOR_NAME)
+
+
+def held_ahead(zygote: int) -> set[int]:
+    """The zygote's children made ahead of launches, none a worker: its
+    ready workers and its spare group's anchor.  Leak checks leave them
+    alone."""
+    return _children_named(zygote, READY_NAME, oscall.ANCHOR_NAME)
+
+
+def _children_named(zygote: int, *names: str) -> set[int]:
+    """The zygote's children that have one of ``names`` now."""
+    wanted = {name.encode() for name in names}
+    found = set()
     for pid in children_of(zygote):
         try:
             with open(f"/proc/{pid}/comm", "rb") as f:
-                if f.read().strip() == READY_NAME.encode():
-                    ready.add(pid)
+                if f.read().strip() in wanted:
+                    found.add(pid)
         except OSError:
             pass  # gone meanwhile
-    return ready
+    return found
 
 
 def zygote_pid() -> int | None:

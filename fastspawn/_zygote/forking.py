@@ -41,6 +41,15 @@ class Forker:
         # After a fork failed with EAGAIN: make room for it, True if there
         # is more now (the zygote's ready workers gone: ReadyPool.make_room).
         self.make_room: Callable[[], bool] = lambda: False
+        # The next launch's process group, anchored ahead while the zygote
+        # is idle (make_spare_group): its anchor, a clone that exits at
+        # once, cost a launch 300-480 us before its first rank could start
+        # (torch preloaded, Intel Xeon; 37 us in a loop).  0: none made.
+        self.spare_group = 0
+        # Whether to make one: set by each launch (Zygote.launch), after one
+        # that took a group, unless its caller holds it to an RLIMIT_NPROC
+        # of its own (the anchor, our child, would count against that).
+        self.groups_ahead = False
 
     def fork_ranks(
         self,
@@ -79,7 +88,7 @@ class Forker:
             # once (its zombie holds the group until every rank has joined),
             # so no rank leads it and each may still setsid(), as a spawned
             # worker can.  (Every signal is blocked in the anchor.)
-            group = oscall.group_anchor() if header.process_group else 0
+            group = self.take_group() if header.process_group else 0
             launch.group = group or header.join_group or os.getpgrp()
             if group:
                 launch.queue(-1, _channel.GROUP, _channel.pack_statuses([group]))
@@ -122,6 +131,40 @@ class Forker:
             stdio.close()
             procstate.restore_limits(saved_limits)
         return pids
+
+    def take_group(self) -> int:
+        """A new process group for a launch: the spare one if made (see
+        make_spare_group), else one anchored now; its anchor's pid."""
+        group, self.spare_group = self.spare_group, 0
+        return group or oscall.group_anchor()
+
+    def spare_group_due(self) -> bool:
+        return self.groups_ahead and not self.spare_group
+
+    def make_spare_group(self) -> None:
+        """While idle: anchor the next launch's process group ahead.  Its
+        anchor is our unreaped child, a zombie named oscall.ANCHOR_NAME,
+        until a launch takes it, room is made for a fork (drop_spare_group)
+        or we exit.  None is made where no process may start now (EAGAIN at
+        a limit): the launch anchors its own, as before."""
+        try:
+            self.spare_group = oscall.group_anchor()
+        except OSError:
+            self.groups_ahead = False  # until the next launch with a group
+
+    def drop_spare_group(self) -> bool:
+        """Reap the spare group's anchor, if there is one (a process less);
+        whether there was."""
+        group, self.spare_group = self.spare_group, 0
+        if group:
+            oscall.release_group_anchor(group)
+        return bool(group)
+
+    def room_for_fork(self) -> bool:
+        """After a fork's EAGAIN: free the processes held ahead (the spare
+        group's anchor, the ready workers); whether any were."""
+        dropped = self.drop_spare_group()
+        return self.make_room() or dropped
 
     def set_up_loop(
         self,
@@ -190,7 +233,7 @@ class Forker:
                 stacks.failed()  # out of fds: the rest go without
             elif error is not None:
                 if step == oscall.ForkLoop.STEP_FORK:
-                    if error.errno == errno.EAGAIN and self.make_room():
+                    if error.errno == errno.EAGAIN and self.room_for_fork():
                         continue  # the ready workers' processes are free now
                     return f"fork of rank {loop.next} of {nprocs}", error
                 return f"setpgid of rank {loop.next - 1}", error  # of the rank last forked
@@ -293,7 +336,7 @@ class Forker:
                     pid, pidfd = start(rank)
                 except OSError as exc:
                     # The ready workers' processes freed, once more.
-                    if exc.errno != errno.EAGAIN or not self.make_room():
+                    if exc.errno != errno.EAGAIN or not self.room_for_fork():
                         raise
                     pid, pidfd = start(rank)
                 os.close(pidfd)  # send_pidfds opens the caller's

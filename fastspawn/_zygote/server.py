@@ -195,18 +195,32 @@ class Zygote:
             return max(0.0, self.ready.quiet_until - time.monotonic())
         if self.can_collapse():
             return 0.01  # first: ready workers made before would keep the old pages
+        if self.spare_group_due():
+            return 0.01
         if self.prepare_failure is not None:
             return None  # no ready workers from a failed preparation
         return self.ready.refill_delay()
 
+    def spare_group_due(self) -> bool:
+        """Whether to anchor the next launch's group ahead (Forker.
+        make_spare_group): while workers are ready, as part of readiness
+        (none with FASTSPAWN_READY=0; prefork(0) drops it)."""
+        return bool(self.ready.waiting) and self.forker.spare_group_due()
+
     def idle_work(self) -> bool:
-        """One step of idle work; whether there was any to do."""
+        """One step of idle work; whether the next may follow at once."""
         if self.after_launch:
             self.run_after_launch()
             return True
         if self.can_collapse():
             self.collapse_when_idle()
             return True
+        if self.spare_group_due():
+            # One step on its own: False, so that no other idle work follows
+            # without a quiet of its own (a refill as the last ranks end,
+            # before the next launch of a restarting job can come).
+            self.forker.make_spare_group()
+            return False
         if not self.ready.refill_due():
             return False
         self.ready.refill(self.own_fds())
@@ -260,6 +274,8 @@ class Zygote:
         one).  None after a failed preparation: every launch fails then."""
         ready = 0 if self.prepare_failure is not None else count
         ready = self.ready.prefork(ready, refill, self.own_fds() + fds)
+        if not ready:
+            self.forker.drop_spare_group()  # readiness off: nothing held ahead
         for fd in fds:
             try:
                 os.write(fd, _READY_COUNT.pack(ready))
@@ -290,6 +306,9 @@ class Zygote:
         own_limit = own_nproc(header)
         if own_limit:
             self.ready.stand_aside()
+            self.forker.drop_spare_group()  # our child too: counted alike
+        if own_limit or header.process_group:
+            self.forker.groups_ahead = not own_limit
         launch.refills = header.binary is None and not own_limit
         if launch.refills and header.mp_process:
             # Multiprocessing's processes come again (a DataLoader's next
@@ -593,7 +612,7 @@ class Zygote:
         rank's leave nothing behind); unreaped, so their pids cannot be
         reused.  An orphan that left its parent's group goes too."""
         others = children_of(self.me) - self.workers.keys() - self.kept.keys()
-        for pid in others - self.ready.waiting.keys():
+        for pid in others - self.ready.waiting.keys() - {self.forker.spare_group}:
             if keep:
                 try:
                     group = os.getpgid(pid)
@@ -668,4 +687,5 @@ class Zygote:
             link.close()
         self.links.clear()
         self.ready.retire()
+        self.forker.drop_spare_group()
         kill_children(self.me)
