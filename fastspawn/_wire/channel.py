@@ -20,6 +20,10 @@ import os
 import socket
 import struct
 
+TYPE_CHECKING = False  # not typing's: workers import this module
+if TYPE_CHECKING:
+    import mmap
+
 HEADER = struct.Struct("<iBB")
 CHUNK = 32 * 1024
 LAST = 1
@@ -114,11 +118,29 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, lis
     data, ancdata, msg_flags, _addr = sock.recvmsg(
         bufsize, socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC
     )
+    return data, _fds_of(ancdata), msg_flags
+
+
+def recv_fds_into(
+    sock: socket.socket, buffer: mmap.mmap, maxfds: int
+) -> tuple[bytes, list[int], int]:
+    """recv_fds, the message read into ``buffer`` (writable, kept for the
+    next): recvmsg() allocates a bytes object of the whole size asked for
+    at every call, and for the zygote's control messages (read with room
+    for 1 MiB, sent a few hundred bytes) that was an mmap and its unmap on
+    every launch's way to its first rank."""
+    size, ancdata, msg_flags, _addr = sock.recvmsg_into(
+        [buffer], socket.CMSG_SPACE(maxfds * 4), socket.MSG_CMSG_CLOEXEC
+    )
+    return buffer[:size], _fds_of(ancdata), msg_flags
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     fds = array.array("i")
     for level, ctype, cdata in ancdata:
         if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
             fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
-    return data, list(fds), msg_flags
+    return list(fds)
 
 
 class Reports:

@@ -5,6 +5,7 @@ time spent collapsing memory into huge pages and making workers ready."""
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import pickle
 import select
@@ -96,6 +97,9 @@ class Zygote:
         # What launches left to do once their ranks run (see launch).
         self.after_launch: list[Callable[[], None]] = []
         self.forker = Forker(self.me, self.workers, self.signals)
+        # What each control message is read into (channel.recv_fds_into):
+        # anonymous memory, touched only as far as messages reach.
+        self.message_buffer = mmap.mmap(-1, protocol.MAX_MESSAGE)
         self.ready = ReadyPool(self.me, self.signals, self.forker.state)
         self.forker.make_room = self.ready.make_room
 
@@ -248,7 +252,7 @@ class Zygote:
         """One message from the caller's control socket, or a link's
         (see fork_links); False at its EOF."""
         try:
-            data, fds, _flags = _channel.recv_fds(control, protocol.MAX_MESSAGE, 256)
+            data, fds, _flags = _channel.recv_fds_into(control, self.message_buffer, 256)
         except OSError:
             data, fds = b"", []
         if not data:
