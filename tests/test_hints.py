@@ -523,12 +523,14 @@ def test_out_of_open_files_hint(method, way, nofile_limit):
 
 
 def test_more_ranks_than_the_machine_has_pids_hint(tmp_path, monkeypatch):
+    # 400: a value a kernel allows (pid_max_min is 301), beside which a
+    # launch of fewer ranks reads no file (limits._PID_MAX_LEAST).
     pid_max = tmp_path / "pid_max"
-    pid_max.write_text("100\n")
+    pid_max.write_text("400\n")
     monkeypatch.setattr(_limits, "_PID_MAX", str(pid_max))
     monkeypatch.setattr(_limits, "nproc_enforced", lambda: False)
-    with pytest.raises(ValueError, match=r"kernel.pid_max, .* is 100: start fewer ranks$"):
-        fastspawn.start_processes(workers.succeed, nprocs=150)
+    with pytest.raises(ValueError, match=r"kernel.pid_max, .* is 400: start fewer ranks$"):
+        fastspawn.start_processes(workers.succeed, nprocs=450)
     assert fastspawn.start_processes(workers.succeed, nprocs=2).return_values == {0: 0, 1: 1}
 
 

@@ -344,6 +344,21 @@ def test_nprocs_above_pid_max_is_refused_before_anything_starts(method, nprocs, 
     assert client.zygote_pid() == zygote
 
 
+def test_a_sysctl_no_launch_that_size_can_pass_is_not_read(tmp_path, monkeypatch):
+    # A kernel lets pid_max be no less than 301 and threads-max no less than
+    # 20: fewer tasks (this process included) cannot pass them, and the
+    # check on every launch's path reads neither file for them.
+    for name, value in (("_PID_MAX", 400), ("_THREADS_MAX", 50)):
+        fake = tmp_path / name
+        fake.write_text(f"{value}\n")
+        monkeypatch.setattr(_limits, name, str(fake))
+    assert _limits.Limits.current(tasks=19).threads_max is None
+    assert _limits.Limits.current(tasks=20).threads_max == 50
+    assert _limits.Limits.current(tasks=300).pid_max is None
+    assert _limits.Limits.current(tasks=301).pid_max == 400
+    assert _limits.Limits.current().pid_max == 400  # no launch: read
+
+
 def test_nprocs_above_threads_max_is_refused(tmp_path, monkeypatch):
     threads_max = tmp_path / "threads-max"
     threads_max.write_text("50\n")
@@ -402,14 +417,14 @@ def test_nprocs_zero_and_minus_one_still_start(nprocs):
 
 def test_elastic_nprocs_above_the_limits_is_refused_before_anything_starts(tmp_path, monkeypatch):
     pid_max = tmp_path / "pid_max"
-    pid_max.write_text("100\n")
+    pid_max.write_text("400\n")  # a kernel allows no less than 301
     monkeypatch.setattr(_limits, "_PID_MAX", str(pid_max))
     monkeypatch.setattr(_limits, "nproc_enforced", lambda: False)
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     before = _processes_now()
-    ranks = range(150)
-    with pytest.raises(ValueError, match=r"a launch of 150 ranks .* kernel.pid_max, .* is 100"):
+    ranks = range(450)
+    with pytest.raises(ValueError, match=r"a launch of 450 ranks .* kernel.pid_max, .* is 400"):
         elastic.start_processes(
             "x",
             "/bin/true",

@@ -23,6 +23,11 @@ _CAP_SYS_RESOURCE = 24
 
 _PID_MAX = "/proc/sys/kernel/pid_max"
 _THREADS_MAX = "/proc/sys/kernel/threads-max"
+# The least each can be: kernel/pid.c bounds what is written to pid_max
+# (per pid namespace since Linux 6.14) below by pid_max_min, RESERVED_PIDS
+# + 1; kernel/fork.c's set_max_threads() clamps threads-max to MIN_THREADS.
+_PID_MAX_LEAST = 301
+_THREADS_MAX_LEAST = 20
 
 
 class Limits:
@@ -70,11 +75,14 @@ class Limits:
         read_number's raw file, AMD EPYC)."""
         nproc = finite(resource.getrlimit(resource.RLIMIT_NPROC)[0])
         fits = nproc is None or (tasks is not None and 1 + tasks <= nproc)
+        # Nor is a sysctl read where the tasks, with this process, are no
+        # more than the least a kernel lets it be (None: no answer changes).
+        total = None if tasks is None else 1 + tasks
         return cls(
             nproc=nproc if fits or nproc_enforced() else None,
             nofile=finite(resource.getrlimit(resource.RLIMIT_NOFILE)[0]),
-            pid_max=read_number(_PID_MAX),
-            threads_max=read_number(_THREADS_MAX),
+            pid_max=_sysctl(_PID_MAX, total, _PID_MAX_LEAST),
+            threads_max=_sysctl(_THREADS_MAX, total, _THREADS_MAX_LEAST),
         )
 
 
@@ -323,6 +331,14 @@ def tasks_of(uid: int) -> int:
         if uid_line is not None and int(uid_line.split()[1]) == uid and threads:
             count += threads
     return count
+
+
+def _sysctl(path: str, total: int | None, least: int) -> int | None:
+    """The sysctl at ``path``, or None where ``total`` tasks cannot pass
+    it: no more than ``least``, the lowest value a kernel lets it have."""
+    if total is not None and total <= least:
+        return None
+    return read_number(path)
 
 
 def read_number(path: str) -> int | None:
