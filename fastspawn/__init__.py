@@ -14,7 +14,6 @@ The public names load on first use (PEP 562): a spawned worker imports
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing as _multiprocessing
 
 # Registers fastspawn's contexts with multiprocessing by name: one small
@@ -78,7 +77,14 @@ def __getattr__(name: str) -> Any:
         if not face.provides(name):
             raise AttributeError(f"module 'fastspawn' has no attribute {name!r}")
         module = face.__name__
-    value = getattr(importlib.import_module(module), name)
+    # Imported with signals held where this is its first use: a Ctrl-C
+    # then comes as KeyboardInterrupt once the import is whole, not from
+    # inside it (where Python 3.10 turned one that landed in a class's
+    # __set_name__, platform's, into a RuntimeError, and the module was
+    # left unimported).
+    from fastspawn._os.held import import_held
+
+    value = getattr(import_held(module), name)
     globals()[name] = value
     return value
 

@@ -240,6 +240,39 @@ def test_a_workers_own_launch_passes_on_its_signal_mask(start_method):
     assert ctx.return_values == {0: 1 << (signal.SIGUSR1 - 1)}
 
 
+def test_a_ctrl_c_during_fastspawns_first_use_comes_once_its_import_is_whole(tmp_path):
+    # fastspawn's public names load on first use.  A signal raised just as
+    # that import begins (the import system asked for the module) must
+    # come as KeyboardInterrupt once the module is whole: from inside it,
+    # Python 3.10 turned one into a RuntimeError where it landed in a
+    # class's __set_name__ (platform's), and the module was left unimported.
+    done = run_script(
+        tmp_path / "main.py",
+        """
+        import signal, sys
+        import fastspawn
+
+        class Interrupter:
+            def find_spec(self, name, path=None, target=None):
+                if name == "fastspawn._launch.api":
+                    signal.raise_signal(signal.SIGUSR1)
+                return None
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGUSR1, interrupt)
+        sys.meta_path.insert(0, Interrupter())
+        try:
+            fastspawn.start_processes
+        except KeyboardInterrupt:
+            print("interrupted", "fastspawn._launch.api" in sys.modules)
+        print(fastspawn.start_processes.__module__)
+        """,
+    )
+    assert done.stdout.split() == ["interrupted", "True", "fastspawn._launch.api"], done.stderr
+
+
 def _children(pid: int) -> list[str]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return f.read().split()
