@@ -595,15 +595,22 @@ elif case == "nproc":
     # workers imported in the zygote first (new modules retire ready ones)
     fastspawn.start_processes(workers.succeed, nprocs=1)
     print(fastspawn.prefork(int(sys.argv[3])), flush=True)
+    # With workers ready, the next launch's group is anchored ahead.
+    zygote = client.zygote_pid()
+    deadline = time.monotonic() + 10
+    while not (spare := client.spare_group(zygote)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print(len(spare), flush=True)
     # The caller's limit changed since the zygote started: its ranks are
     # forked under it, not taken from ready workers.
     before = ready()
     resource.setrlimit(resource.RLIMIT_NPROC, (int(sys.argv[2]) + 1, hard))
     ctx = fastspawn.start_processes(workers.pid_and_ppid, nprocs=2)
     print(len({pid for pid, _ in ctx.return_values.values()} & before), flush=True)
-    # They counted against its limit: killed, and not made ready again.
+    # They counted against its limit: killed, and not made ready again;
+    # nor is the spare group's anchor kept, or made again.
     time.sleep(0.5)
-    print(len(ready()), flush=True)
+    print(len(ready()), len(client.spare_group(zygote)), flush=True)
 elif case == "nofile":
     # Soft and hard alike: the zygote cannot raise its own.
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
@@ -695,7 +702,10 @@ def test_ready_workers_off():
 def test_ready_workers_stay_within_a_quarter_of_rlimit_nproc():
     own = sum(1 for name in os.listdir("/proc") if name.isdigit())
     limit = own + 200  # room for the driver's own processes whatever the machine
-    assert run_driver("nproc", str(limit), str(limit)) == [str(limit // 4), "0", "0"]
+    # Ready: a quarter; the spare group made; none of them taken by the
+    # launch under the caller's own limit; none left or made after it.
+    said = run_driver("nproc", str(limit), str(limit))
+    assert said == [str(limit // 4), "1", "0", "0", "0"]
 
 
 @pytest.mark.version_neutral
