@@ -1073,3 +1073,28 @@ def test_a_ctrl_c_as_pidfds_arrive_loses_none(monkeypatch):
         os.close(pidfd)
         tx.close()
         receiver.close()
+
+
+def test_a_wait_on_the_report_channel_reads_everything_queued_by_then():
+    # Ranks report while the caller waits for their pidfds: once woken, the
+    # caller reads all that is queued in one step, not one message a wake.
+    from fastspawn._wire import channel as _channel
+
+    rx_sock, tx = _channel.channel_pair()
+    receiver = _channel.Receiver(rx_sock)
+    try:
+        tx.send(_channel.HEADER.pack(-1, _channel.TAKEN, _channel.LAST))
+        group = _channel.pack_statuses([4321])
+        tx.send(_channel.HEADER.pack(-1, _channel.GROUP, _channel.LAST) + group)
+        exits = _channel.pack_statuses([0, 0, 1, 3])
+        tx.send(_channel.HEADER.pack(-1, _channel.EXIT, _channel.LAST) + exits)
+        assert receiver.read_blocking(10)
+        reports = receiver.reports
+        assert reports.taken and reports.group == 4321 and reports.exits == {0: 0, 1: 3}
+        assert not receiver.drain()  # nothing left
+        tx.close()
+        assert not receiver.read_blocking(10)  # the EOF: nothing read
+        assert reports.eof
+    finally:
+        tx.close()
+        receiver.close()

@@ -111,12 +111,18 @@ class Process:
         """Whether the pidfd polls readable (the worker is gone, maybe unreaped)."""
         return bool(wait_readable([self._pidfd], 0))
 
-    def _poll(self, deadline: float | None = None) -> None:
+    def _poll(self, deadline: float | None = None, drained: bool = False) -> None:
         """Collect the exit status if the worker has exited.  Waits for the
-        zygote's word of it until ``deadline`` (time.monotonic()) at most."""
+        zygote's word of it until ``deadline`` (time.monotonic()) at most.
+        ``drained``: the report channel was just read (by the caller's
+        ProcessContext, for every worker it found exited)."""
         if self._exitcode is not None or self._pidfd < 0:
             return
-        self._receiver.drain()
+        reports = self._receiver.reports
+        # A zygote worker whose exit status is in: all it sent came before
+        # (the zygote reaped it after its exit), no read is needed.
+        if not drained and (self._is_child or self.rank not in reports.exits):
+            self._receiver.drain()
         if self._is_child:
             # Reaped and recorded as one step: a Ctrl-C between the two
             # would lose the status, and every later wait would find no
@@ -126,7 +132,6 @@ class Process:
                 if status is not None:
                     self._set_exit(status)
             return
-        reports = self._receiver.reports
         if self.rank not in reports.exits and self._exited():
             # The zygote reaps at once and reports; wait for that word, or for
             # the channel's end if the zygote itself died (its workers then

@@ -194,10 +194,16 @@ class Receiver:
         return got
 
     def read_blocking(self, timeout: float | None) -> bool:
-        """Wait up to ``timeout`` for one message.  False on timeout or EOF.
+        """Wait up to ``timeout`` for a message, then read every one queued
+        by then (as drain).  True if one was read; False on timeout, or at
+        EOF with nothing read.
 
         The wait is a poll(), which a Ctrl-C interrupts with nothing read;
-        the read itself does not block (see _read_one)."""
+        the reads do not block.  All that is queued once it returns is read
+        in one held step: the ranks of a launch of 64 report about 60
+        messages while its pidfds are on their way, and a held step per
+        message (its signal handlers swapped and put back) cost the caller
+        a core's time the ranks coming up wanted (benchmarks/README.md)."""
         import select
         import time
 
@@ -208,21 +214,11 @@ class Receiver:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not poller.poll(None if left is None else left * 1000):
                 return False
-            try:
-                return self._read_one()
-            except BlockingIOError:
-                pass  # woken for nothing: wait again
+            if self.drain():
+                return True
+            # Woken for nothing (another reader took it), or at EOF: the
+            # loop's test tells which.
         return False
-
-    def _read_one(self) -> bool:
-        """Read one message, without blocking, and apply it to ``reports``,
-        signals held from the receive until the message is applied: a
-        Ctrl-C raised as recvmsg() returns would drop it on the floor (a
-        launch's pidfds with it, open, known to nobody).  False at EOF."""
-        from fastspawn._os import oscall  # the caller's side only: workers never read
-
-        with oscall.held_signals():
-            return self._receive()
 
     def _receive(self) -> bool:
         data, fds, msg_flags = recv_fds(self.sock, HEADER.size + CHUNK, MAX_FDS)
