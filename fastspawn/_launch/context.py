@@ -410,7 +410,7 @@ class ProcessContext:
                 if proc is None:
                     self._seen_elsewhere(token)
                     continue
-                raised = self._raised(proc, drained=True)
+                raised = self._raised(proc)
                 if not raised:
                     proc._poll(time.monotonic(), drained=True)  # what is in: no wait
                 if raised or proc._exitcode is not None:
@@ -423,7 +423,7 @@ class ProcessContext:
                 proc._poll(deadline)  # may wait for the zygote's word
             with oscall.held_signals():
                 if proc.rank in reports.exits:
-                    proc._poll(drained=True)  # its word is in: recorded, no wait
+                    proc._poll()  # its word is in: recorded, no read, no wait
                 if proc._exitcode is not None:
                     self._judged(proc, exited)
         return exited
@@ -442,15 +442,13 @@ class ProcessContext:
         if rank in self._reaped_elsewhere:
             self._reaped_elsewhere.remove(rank)
 
-    def _raised(self, proc: Process, drained: bool = False) -> bool:
-        """Whether an exited zygote worker reported an exception.  Its exit
-        status (non-zero then) is still on its way from the zygote; the
-        others can be stopped without waiting for it, one hop sooner.
-        ``drained``: the channel was read since the worker's exit showed."""
+    def _raised(self, proc: Process) -> bool:
+        """Whether an exited zygote worker reported an exception (the
+        channel read since its exit showed: _collect).  Its exit status
+        (non-zero then) is still on its way from the zygote; the others can
+        be stopped without waiting for it, one hop sooner."""
         if proc._is_child or proc._exitcode is not None:
             return False
-        if not drained:
-            self._receiver.drain()
         return proc.rank in self._receiver.reports.errors
 
     def _drain(self) -> None:
