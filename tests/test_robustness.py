@@ -785,6 +785,57 @@ def test_a_fork_workers_atexit_handlers_are_multiprocessings(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("atexit")) == expected
 
 
+EXIT_WORK = {
+    "mp_finalizer": "ran",
+    "is_exiting": "True",  # the exit function ran first, as Process._bootstrap runs it
+    "executor": "ran",
+    "late_finalizer": "ran",
+    "mp_logging": "process shutting down\n",
+}
+
+
+@pytest.fixture
+def exit_hook_in_the_zygote():
+    """A zygote with weakref's exit hook registered (as torch's has): a
+    finalizer a worker makes reaches its exit only through the worker's
+    own finalizers.  No ready workers but those a test asks for."""
+    fastspawn.preload(["exit_finalizer_probe"])
+    yield
+    fastspawn.prefork(0)
+
+
+@pytest.mark.parametrize("ranks_from", ["ready", "forked"])
+@pytest.mark.parametrize("what", sorted(EXIT_WORK))
+def test_what_a_worker_leaves_to_its_exit_is_done(
+    tmp_path, what, ranks_from, exit_hook_in_the_zygote
+):
+    # A worker's exit runs multiprocessing's exit function and threading's
+    # shutdown only where they have something to do: a finalizer, a thread
+    # to join (one that makes a finalizer meanwhile included), a logger,
+    # an atexit handler that sees their state.
+    fastspawn.prefork(1 if ranks_from == "ready" else 0, refill=False)
+    fastspawn.start_processes(workers.leave_work_for_the_exit, (str(tmp_path), what), nprocs=1)
+    assert (tmp_path / what).read_text() == EXIT_WORK[what]
+
+
+# Not late_finalizer: weakref.finalize's exit hook is an atexit handler,
+# run in a fork worker (from 3.13) only if the caller had not registered it
+# before the fork, as in multiprocessing's fork children.
+@pytest.mark.parametrize("what", sorted(set(EXIT_WORK) - {"late_finalizer"}))
+def test_what_a_fork_worker_leaves_to_its_exit_is_done(tmp_path, what):
+    fastspawn.start_processes(
+        workers.leave_work_for_the_exit, (str(tmp_path), what), nprocs=1, start_method="fork"
+    )
+    if what != "is_exiting":
+        assert (tmp_path / what).read_text() == EXIT_WORK[what]
+    elif sys.version_info < (3, 13):
+        # As multiprocessing's fork children: no atexit handler before 3.13,
+        assert not (tmp_path / what).exists()
+    else:
+        # and from 3.13 the worker's before multiprocessing's exit function.
+        assert (tmp_path / what).read_text() == "False"
+
+
 def test_the_zygotes_atexit_handlers_do_not_run_in_its_workers(tmp_path, monkeypatch):
     # A module the zygote imported registered a handler there; a worker must
     # not run it (it would, say, remove a directory the zygote made, once

@@ -617,6 +617,58 @@ def register_atexit_and_tempdir(rank: int, marker_dir: str) -> str:
     return globals()["_tmp"].name
 
 
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def leave_work_for_the_exit(rank: int, marker_dir: str, what: str) -> None:
+    """Leave the worker's exit something of the kind ``what`` to do, which
+    writes the file ``marker_dir/what`` when done: a multiprocessing
+    ``Finalize`` (its exit function runs it), an atexit handler that writes
+    ``util.is_exiting()``, a thread of an executor never shut down (joined
+    at the exit, its task done first), a thread that makes a
+    weakref.finalize while the exit waits for it, multiprocessing's logger
+    (its exit line)."""
+    import atexit
+    import threading
+    from multiprocessing import util
+
+    path = os.path.join(marker_dir, what)
+    keep = globals().setdefault("_kept_for_the_exit", [])
+    if what == "mp_finalizer":
+        keep.append(util.Finalize(None, _write, args=(path, "ran"), exitpriority=0))
+    elif what == "is_exiting":
+        atexit.register(lambda: _write(path, str(util.is_exiting())))
+    elif what == "executor":
+        from concurrent.futures import ThreadPoolExecutor
+
+        executor = ThreadPoolExecutor(1)
+        executor.submit(lambda: (time.sleep(0.3), _write(path, "ran")))
+        keep.append(executor)
+    elif what == "late_finalizer":
+        import weakref
+
+        class Held:
+            pass
+
+        def later() -> None:
+            time.sleep(0.3)
+            held = Held()
+            keep.append(held)
+            weakref.finalize(held, _write, path, "ran")
+
+        threading.Thread(target=later).start()
+    elif what == "mp_logging":
+        import logging
+
+        handler = logging.FileHandler(path)
+        util.get_logger().addHandler(handler)
+        util.get_logger().setLevel(logging.INFO)
+    else:
+        raise ValueError(what)
+
+
 def torch_threads(rank: int) -> tuple[str, int]:
     import torch
 

@@ -315,26 +315,64 @@ def count_next(counter: Any) -> int | None:
     return None
 
 
-def _run_own_finalizers() -> None:
-    """At a zygote worker's exit: run the weakref.finalize callbacks marked
-    to run at exit that the worker created, latest first, as
-    ``finalize._exitfunc`` does, and none of the zygote's (a temporary
-    directory the zygote made would be removed by the first worker to
-    exit).  A worker that made none, the usual case, touches nothing: the
+def _own_finalizers() -> list[Any]:
+    """At a zygote worker's exit: the weakref.finalize callbacks that the
+    worker created, latest first, as ``finalize._exitfunc`` runs them, and
+    none of the zygote's (a temporary directory the zygote made would be
+    removed by the first worker to exit); finish runs those marked to run
+    at exit.  A worker that made none, the usual case, touches nothing: the
     zygote may hold many (torch: 134), and walking them in every worker
     would copy the pages they sit on."""
     weakref = sys.modules.get("weakref")
     finalize = getattr(weakref, "finalize", None)
     registry = getattr(finalize, "_registry", None)
     if not registry:
-        return
+        return []
     first_own = zygote_finalizer_index
     if first_own is None or next_finalizer_index(finalize) == first_own:
-        return  # the worker made none (or, unreadable, none is known to be its)
+        return []  # the worker made none (or, unreadable, none is known to be its)
     own = [(info.index, f) for f, info in list(registry.items()) if info.index >= first_own]
-    for _index, made_here in sorted(own, key=lambda pair: pair[0], reverse=True):
-        if made_here.atexit:
-            made_here()
+    return [made_here for _index, made_here in sorted(own, key=lambda pair: pair[0], reverse=True)]
+
+
+def _exit_multiprocessing(util: Any) -> None:
+    """multiprocessing's exit function, which a worker runs first, as
+    ``Process._bootstrap`` does, unless it has nothing to do here: no
+    ``Finalize`` registered (the zygote's too: it tells them apart by pid),
+    no child process started, no logger of multiprocessing's to write its
+    lines to.  Then only its flag is set (``util.is_exiting()``).  Its
+    first run in a rank cost 71-75 us and 11-14 page copies of every
+    rank's exit (Intel Xeon; benchmarks/README.md, "A launch to its join,
+    and a rank's exit")."""
+    from multiprocessing import process
+
+    children = process._children  # type: ignore[attr-defined]
+    if util._finalizer_registry or children or util._logger is not None:
+        util._exit_function()
+    else:
+        util._exiting = True
+
+
+def _shutdown_shows(more_to_run: bool) -> bool:
+    """Whether threading's shutdown (which joins the non-daemonic threads,
+    after the callbacks registered with ``threading._register_atexit``)
+    could do anything that shows in a worker about to ``os._exit``: a
+    thread besides this one, a callback that is not concurrent.futures'
+    (which stops and joins its executors' threads: there are none), or,
+    ``more_to_run``, the worker's own code to run after, which could see
+    what the shutdown sets.  With torch imported (so concurrent.futures),
+    the shutdown took 172 us and 22 page copies of each rank's exit, 66
+    and 9 without (Intel Xeon, the same section).  Each of those two
+    modules registers one callback as it is imported, and nothing takes
+    one back: as many callbacks as them are theirs."""
+    if more_to_run or threading.active_count() > 1:
+        return True
+    callbacks = getattr(threading, "_threading_atexits", None)
+    if callbacks is None:
+        return True  # a threading unlike 3.10-3.13's: as it is
+    modules = sys.modules
+    known = ("concurrent.futures.thread" in modules) + ("concurrent.futures.process" in modules)
+    return len(callbacks) != known
 
 
 # A worker forked from the caller runs, at its exit, the atexit handlers it
@@ -359,6 +397,41 @@ def forget_exit_handlers() -> None:
     atexit.register(util._exit_function)  # type: ignore[attr-defined]
 
 
+def _end_worker(util: Any, own: bool) -> None:
+    """finish() of a zygote worker (``own``) or of one forked from the
+    caller before Python 3.13: multiprocessing's exit function, threading's
+    shutdown, then (``own``) the finalizers and atexit handlers the worker
+    made, the launches it left unjoined, the logging handlers it added."""
+    _exit_multiprocessing(util)
+    finalizers = _own_finalizers() if own else []
+    later = bool(finalizers) or launches_at_exit is not None
+    if _shutdown_shows(later or (own and (bool(_worker_exit_handlers) or _logging_added()))):
+        threading._shutdown()  # type: ignore[attr-defined]
+        if own:  # the threads it waited for may have made more
+            finalizers = _own_finalizers()
+    for made_here in finalizers:
+        if made_here.atexit:
+            made_here()
+    if own:
+        _run_worker_exit_handlers()
+    # Launches this worker made and left unjoined: waited for (or, if
+    # daemonic, stopped) as at any interpreter exit, once its threads
+    # (which may be joining them) are done.
+    if launches_at_exit is not None:
+        launches_at_exit()
+    if own and _logging_added():
+        sys.modules["logging"].shutdown()
+
+
+def _logging_added() -> bool:
+    """Whether logging's shutdown is due at a zygote worker's exit: its
+    atexit hook was the zygote's, so only for handlers the worker added (the
+    zygote's are stream and file handlers unless it set up others, which
+    flush at every record, and closing them would only copy their pages)."""
+    logging = sys.modules.get("logging")
+    return logging is not None and len(logging._handlerList) != zygote_handlers
+
+
 def finish(
     code: int, signum: int, exit_handlers: Literal["all", "own", "since_fork", "none"]
 ) -> NoReturn:
@@ -381,31 +454,14 @@ def finish(
             if exit_handlers == "since_fork":
                 threading._shutdown()  # type: ignore[attr-defined]
                 atexit._run_exitfuncs()  # its own, then multiprocessing's
-            else:
+                if launches_at_exit is not None:
+                    launches_at_exit()  # (see _end_worker)
+            elif exit_handlers == "all":
                 util._exit_function()  # type: ignore[attr-defined]
                 threading._shutdown()  # type: ignore[attr-defined]
-            if exit_handlers == "all":
                 atexit._run_exitfuncs()
             else:
-                if exit_handlers == "own":
-                    _run_own_finalizers()
-                    _run_worker_exit_handlers()
-                # Launches this worker made and left unjoined: waited for
-                # (or, if daemonic, stopped) as at any interpreter exit, once
-                # its threads (which may be joining them) are done.
-                if launches_at_exit is not None:
-                    launches_at_exit()
-                logging = sys.modules.get("logging")
-                # Its atexit hook was the zygote's.  Only for handlers the
-                # worker added: the zygote's are stream and file handlers
-                # unless it set up others, which flush at every record, and
-                # closing them would only copy their pages.
-                if (
-                    exit_handlers == "own"
-                    and logging is not None
-                    and len(logging._handlerList) != zygote_handlers
-                ):
-                    logging.shutdown()
+                _end_worker(util, exit_handlers == "own")
         except BaseException:
             print_exc()
         flush_std_streams()
