@@ -105,19 +105,17 @@ def floor(nprocs: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         for ours, _theirs in pairs:
             ours.send(b"x")
-        for pid in pids:
-            os.waitpid(pid, 0)
+        while pids:
+            os.waitpid(pids[-1], 0)
+            pids.pop()  # reaped: its pid may be another process's from now on
         return time.perf_counter() - t0, busy_s() - busy
     finally:
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
-        for pid in pids:  # those not reaped above (an error came first)
-            try:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
+        for pid in pids:  # not reaped above (an error came first): still ours
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
 
 
 # The floor's helper: the zygote's memory treatment first, then its

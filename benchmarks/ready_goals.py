@@ -22,7 +22,8 @@ times, one run after the other, and prints each goal's ratio in every run,
 their median and in how many runs it was met: on the 2-core VMs the
 project runs on, the floors themselves move by a fifth from run to run,
 and a goal near its bound is met in some runs and not in others.  Exit
-status 0 whatever was met (a benchmark, not a test).  ``benchmarks/process_starts.py`` measures the
+status 0 whatever was met (a benchmark, not a test).
+``benchmarks/process_starts.py`` measures the
 issue's other figure, one ``ctx.Process`` start from a ready worker
 against fork's.
 """
@@ -208,6 +209,7 @@ def main() -> None:
         f"Python {host['python']}; torch {host.get('torch') or 'not run'}; "
         f"{options.repeat} rounds, 'all running' medians"
     )
+    summary = across(each)
     if options.runs == 1:
         print_run(each[0])
     else:
@@ -215,7 +217,7 @@ def main() -> None:
             print(f"\nrun {number} of {options.runs}:")
             print_run(judged)
         print(f"\nover the {options.runs} runs, each goal's ratio in each:")
-        print_across(across(each), each)
+        print_across(summary, each)
     if options.json:
         # Each run's summary, not its every round (1 MB a run).
         kept = [
@@ -227,7 +229,7 @@ def main() -> None:
             figures.update(goals=each[0], runs=kept[0])
         else:
             figures.update(
-                goals=across(each),
+                goals=summary,
                 each_run=[
                     {"goals": judged, "runs": runs} for judged, runs in zip(each, kept, strict=True)
                 ],
