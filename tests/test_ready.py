@@ -692,6 +692,91 @@ def test_a_launch_that_ended_is_made_ready_again_up_to_the_cap():
     assert run_driver("background", env={"FASTSPAWN_READY": "2"}) == ["2", "2"]
 
 
+# A main module of its own (its processes' targets live there, and
+# multiprocessing's starts from a file's main module come as fast as a
+# program's: from `python -c` the refill kept up with them).
+LEVEL_DRIVER = """
+import sys, time
+import fastspawn, workers
+from fastspawn._zygote import client
+
+def settle(count):
+    deadline = time.monotonic() + 10
+    while len(client.ready_workers(client.zygote_pid())) < count:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    time.sleep(0.5)  # what more a refill would make, it has made
+    return len(client.ready_workers(client.zygote_pid()))
+
+def idle():
+    pass
+
+if __name__ == "__main__":
+    case, count = sys.argv[1], int(sys.argv[2])
+    if case == "in-a-row":
+        # Back to back, faster than the refill: each launch forks its
+        # ranks while the last one's are still owed.
+        for _ in range(count):
+            fastspawn.start_processes(workers.succeed, nprocs=4)
+        print(settle(4), flush=True)
+        fastspawn.start_processes(workers.succeed, nprocs=6)
+        print(settle(6), flush=True)
+    elif case == "mp-one-at-a-time":
+        ctx = fastspawn.get_context("fastspawn")
+        for _ in range(count):
+            process = ctx.Process(target=idle)
+            process.start()
+            process.join()
+        print(settle(1), flush=True)
+    elif case == "mp-at-once":
+        # ``count`` running at once (each waits for the event), twice.
+        ctx = fastspawn.get_context("fastspawn")
+        for _ in range(2):
+            go = ctx.Event()
+            processes = [ctx.Process(target=go.wait) for _ in range(count)]
+            for process in processes:
+                process.start()
+            go.set()
+            for process in processes:
+                process.join()
+            print(settle(count), flush=True)
+"""
+
+
+def run_level_driver(tmp_path, case: str, count: int) -> list[str]:
+    script = tmp_path / "level_driver.py"
+    script.write_text(textwrap.dedent(LEVEL_DRIVER))
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
+    done = subprocess.run(
+        [sys.executable, str(script), case, str(count)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+@pytest.mark.version_neutral
+def test_launches_in_a_row_keep_as_many_ready_as_the_largest_had(tmp_path):
+    """However many launches come faster than the refill (each then forks
+    its ranks), the background makes ready as many as the largest of them
+    had, not one worker for every rank of every launch (12 launches of 4
+    in a row left 48 ready workers before)."""
+    assert run_level_driver(tmp_path, "in-a-row", 12) == ["4", "6"]
+
+
+@pytest.mark.version_neutral
+def test_multiprocessing_processes_keep_as_many_ready_as_ran_at_once(tmp_path):
+    """Processes started and joined one at a time leave one ready worker,
+    however many there were (100 left 100 before); three running at once
+    leave three, and the next three take them and leave three again."""
+    assert run_level_driver(tmp_path, "mp-one-at-a-time", 100) == ["1"]
+    assert run_level_driver(tmp_path, "mp-at-once", 3) == ["3", "3"]
+
+
 @pytest.mark.version_neutral
 def test_multiprocessing_processes_are_made_ready_again_for_rank_0():
     """Their refills wait with their stack files named for rank 0, the

@@ -22,16 +22,17 @@ rank r to a worker of slot r where one waits, whose wake then leaves that
 file as it is (see wake._name_stacks).
 
 How many are kept: ``fastspawn.prefork(n)`` makes n ready and keeps at
-least n so; after a launch of forked ranks ends (multiprocessing
-processes: once they began, as the next are due when they end), as many
-workers as it had are made ready again while the zygote is idle (no
-message for 10 ms, no launch in the last 10 ms and 2 ms per rank it had
-unless all its ranks ended), up to FASTSPAWN_READY (default 256; 0:
-never in the background).  A
-launch of n ranks is made ready again n times: 256 idle workers, 2-3 MiB
-each (USS, docs/performance.md), follow only a launch that large, and the
-next launch of that size forks none (with 64, the default before, it
-forked 192).
+least n so; after a launch ends (multiprocessing processes: once they
+began, as the next are due when they end), workers are made ready again
+while the zygote is idle (no message for 10 ms, no launch in the last
+10 ms and 2 ms per rank it had unless all its ranks ended) until as many
+wait as the most ranks a launch had since prefork() (multiprocessing
+processes: the most that ran at once), up to FASTSPAWN_READY (default
+256; 0: never in the background).  256 idle workers, 2-3 MiB each (USS,
+docs/performance.md), follow only a launch that large, and the next
+launch of that size forks none (with 64, the default before, it forked
+192); launches of 8 in a row, or processes started and joined one at a
+time, keep 8, or 1, however many there were (see ReadyPool.owe).
 ``prefork(n, refill=False)``: n now, none made ready again after
 (``prefork(0, refill=False)`` turns ready workers off).  How many the
 limits allow (fastspawn._zygote.room): a quarter of the caller's
@@ -52,6 +53,8 @@ caller without a limit of its own asks.  New modules in the zygote
 
 from __future__ import annotations
 
+import collections
+import itertools
 import marshal
 import os
 import signal
@@ -149,6 +152,10 @@ class ReadyPool:
         # is to be made for, its rank there (a multiprocessing process is
         # rank 0 of a launch of its own: a pool's refills are all slot 0).
         self.owed: list[int] = []
+        # How many the background keeps ready (see owe): the most ranks a
+        # launch had, or multiprocessing processes ran at once, since
+        # prefork() or stand_aside(); the cap at most.
+        self.level = 0
         # No background refill before quiet_until: each launch whose ranks
         # may still come up -> when its quiet ends (see launched, ended);
         # and the limits' back-off (see refill).
@@ -237,12 +244,28 @@ class ReadyPool:
         0.16 s after the call, and the quiet held the refill until 0.52."""
         self.coming_up.pop(launch, None)
 
-    def owe(self, size: int) -> None:
-        """A launch of ``size`` forked ranks ended (or, multiprocessing
-        processes, began): as many are to be made ready again, one for each
-        of its ranks (see _owe)."""
-        if self.cap > 0:
-            self._owe(range(size), self.cap)
+    def owe(self, size: int, running: int = 0) -> None:
+        """A launch of ``size`` ranks ended (or, a multiprocessing process,
+        started, ``running`` of them running now, it among them): workers
+        are owed until as many wait or are owed as the level, which this
+        launch raises to its size (that process: to as many as run).
+
+        Not ``size`` more at every launch: launches that came faster than
+        the refill, each forking its ranks while the last one's were owed
+        still, added up, and 200 processes started and joined one at a
+        time left 200 workers ready, 20 launches of 8 in a row 160.  The
+        slots owed are the launch's ranks that no waiting or owed worker
+        has, then its ranks again (a multiprocessing process's: rank 0)."""
+        self.level = min(self.cap, max(self.level, size, running))
+        short = self.level - len(self.waiting) - len(self.owed)
+        if short <= 0:
+            return
+        held = collections.Counter(self.owed)
+        for slot, workers in self.by_slot.items():
+            held[slot] += len(workers)
+        free = [rank for rank in range(size) if not held[rank]]
+        slots = itertools.chain(free, itertools.cycle(range(size)))
+        self._owe(itertools.islice(slots, short), self.cap)
 
     def _owe(self, slots: Iterable[int], most: int) -> None:
         """Owe workers for ``slots``, ``most`` owed at most (the latest)."""
@@ -281,6 +304,7 @@ class ReadyPool:
         self.asked = count if refill else 0
         self.cap = cap_from_environment(os.environ) if refill else 0
         self.owed.clear()
+        self.level = 0
         close_fds = self.close_spent(close_fds)
         while len(self.waiting) > count:
             pid = next(iter(self.waiting))
@@ -574,6 +598,7 @@ class ReadyPool:
         waiting = list(self.waiting)
         self.retire()
         self.owed.clear()
+        self.level = 0
         self.asked = 0
         for pid in waiting:
             try:

@@ -314,11 +314,6 @@ class Zygote:
         if own_limit or header.process_group:
             self.forker.groups_ahead = not own_limit
         launch.refills = header.binary is None and not own_limit
-        if launch.refills and header.mp_process:
-            # Multiprocessing's processes come again (a DataLoader's next
-            # epoch, a pool's next worker), and end only when the next are
-            # due: made ready again once these are up, not once they ended.
-            self.ready.owe(header.nprocs)
         saved_limits = procstate.adopt_open_files_limit(header.process_state)
         try:
             try:
@@ -339,6 +334,13 @@ class Zygote:
             except BaseException:
                 os.close(fds[1])
                 raise
+            if launch.refills and header.mp_process:
+                # Multiprocessing's processes come again (a DataLoader's
+                # next epoch, a pool's next worker), and end only when the
+                # next are due: made ready again once these are up, not
+                # once they ended, as many as run at once.
+                running = sum(owner.mp_process for owner, _rank in self.workers.values())
+                self.ready.owe(header.nprocs, running)
             try:
                 if not launch.pids_said:  # (a multiprocessing process's, said early)
                     send_pidfds(launch, pids)
