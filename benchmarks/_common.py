@@ -42,6 +42,15 @@ def fork_sleepers(n: int, setup: Callable[[], None] | None = None) -> list[int]:
     return pids
 
 
+def busy_s() -> float:
+    """CPU time the whole machine has spent so far (user, nice, system,
+    irq, softirq: all but idle, iowait and steal), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(value) for value in f.readline().split()[1:8]]
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_used_s(pids: Sequence[int]) -> float:
     """CPU time the live processes ``pids`` have used so far, summed."""
     total = 0

@@ -46,16 +46,10 @@ from collections.abc import Callable
 import fastspawn
 from fastspawn._bench.host import machine
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import busy_s  # noqa: E402
+
 SETTLE_S = 0.05  # asleep before each timed cycle, every method alike
-
-
-def busy_s() -> float:
-    """CPU time the whole machine has spent so far (user, nice, system,
-    irq, softirq: all but idle, iowait and steal), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(value) for value in f.readline().split()[1:8]]
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def returns_at_once(rank: int) -> None:
