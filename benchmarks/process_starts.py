@@ -21,9 +21,9 @@ loop and until the machine is idle again (``/proc/stat``: every
 process's, the zygote's and its workers' included, making a worker ready
 before its start or after it too), less what the machine spends idle for
 as long (measured asleep before the first launch), over the loop's
-starts.  A ready worker is paid for ahead, off the
-caller's path, but paid: where the cores are all busy anyway (a 2-core
-machine running DataLoader workers), what counts is that column.
+starts.  A ready worker is paid for ahead, off the caller's path, but
+paid: where the cores are all busy anyway (a 2-core machine running
+DataLoader workers), what counts is that column.
 """
 
 from __future__ import annotations

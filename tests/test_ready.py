@@ -673,10 +673,14 @@ elif case == "kill":
 """
 
 
-def run_driver(*args: str, env: dict[str, str] | None = None) -> list[str]:
+def run_driver(
+    *args: str, env: dict[str, str] | None = None, script: str | None = None
+) -> list[str]:
+    """DRIVER's output for ``args`` (``script``: that file's instead)."""
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]), **(env or {}))
+    main = [script] if script is not None else ["-c", textwrap.dedent(DRIVER)]
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(DRIVER), *args],
+        [sys.executable, *main, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -747,16 +751,7 @@ if __name__ == "__main__":
 def run_level_driver(tmp_path, case: str, count: int) -> list[str]:
     script = tmp_path / "level_driver.py"
     script.write_text(textwrap.dedent(LEVEL_DRIVER))
-    full = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, *sys.path]))
-    done = subprocess.run(
-        [sys.executable, str(script), case, str(count)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=full,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.split()
+    return run_driver(case, str(count), script=str(script))
 
 
 @pytest.mark.version_neutral
