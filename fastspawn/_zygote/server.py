@@ -334,13 +334,6 @@ class Zygote:
             except BaseException:
                 os.close(fds[1])
                 raise
-            if launch.refills and header.mp_process:
-                # Multiprocessing's processes come again (a DataLoader's
-                # next epoch, a pool's next worker), and end only when the
-                # next are due: made ready again once these are up, not
-                # once they ended, as many as run at once.
-                running = sum(owner.mp_process for owner, _rank in self.workers.values())
-                self.ready.owe(header.nprocs, running)
             try:
                 if not launch.pids_said:  # (a multiprocessing process's, said early)
                     send_pidfds(launch, pids)
@@ -354,6 +347,14 @@ class Zygote:
             self.channels[tx.fileno()] = launch
             self.epoll.register(tx.fileno(), select.EPOLLRDHUP)
             self.on_writable(launch)
+            if launch.refills and header.mp_process:
+                # Multiprocessing's processes come again (a DataLoader's
+                # next epoch, a pool's next worker), and end only when the
+                # next are due: made ready again once these are up, not
+                # once they ended, as many as run at once.  Counted once
+                # the caller has the pidfds, which it waits for.
+                running = sum(owner.mp_process for owner, _rank in self.workers.values())
+                self.ready.owe(header.nprocs, running)
         finally:
             if later:
                 self.after_launch.append(after)
