@@ -16,8 +16,14 @@ the same run.
     python benchmarks/ready_goals.py [--repeat 7] [--runs 1] [--no-torch] [--json FILE]
 
 About 2 minutes on 2 cores (AMD EPYC), 1.5 without torch.  Prints the
-ratios, the goals and whether each was met; with ``--json`` writes them,
-the machine and each run's summary.  ``--runs N`` does all of that N
+ratios, the goals and whether each was met, and beside each the ratio of
+the CPU time the two launches took (the median of ``fastspawn bench``'s
+"cpu": the ranks', the helpers' and the caller's, from the call until
+every rank has entered ``fn``): on a host of few cores a launch's "all
+running" follows the CPU it takes (on 2 cores it was about half of it,
+benchmarks/README.md, "Issue 31's goals at `e086419`"), so the bound a
+ratio meets there is shown beside it.  With ``--json`` writes them, the
+machine and each run's summary.  ``--runs N`` does all of that N
 times, one run after the other, and prints each goal's ratio in every run,
 their median and in how many runs it was met: on the 2-core VMs the
 project runs on, the floors themselves move by a fifth from run to run,
@@ -80,12 +86,13 @@ def bench(arguments: list[str], repeat: int, directory: str, name: str) -> dict[
         return figures
 
 
-def running_medians(run: dict[str, Any]) -> dict[tuple[str, int], float]:
-    """(method, nprocs) -> the "all running" median, in seconds."""
+def medians(run: dict[str, Any], phase: str = "running") -> dict[tuple[str, int], float]:
+    """(method, nprocs) -> the median of ``phase``, in seconds: "all
+    running" by default, "cpu" for the machine's CPU time of the launch."""
     return {
         (entry["method"], entry["nprocs"]): entry["median"]
         for entry in run["summary"]
-        if entry["phase"] == "running" and entry["median"] is not None
+        if entry["phase"] == phase and entry["median"] is not None
     }
 
 
@@ -93,12 +100,14 @@ def judge(
     run: dict[str, Any], goals: list[tuple[str, int, str, str, float]]
 ) -> list[dict[str, Any]]:
     """Each goal's ratio in ``run``, and whether it was met (None: a
-    method's figure is missing, its rounds failed)."""
-    medians = running_medians(run)
+    method's figure is missing, its rounds failed); beside it, the ratio
+    of the CPU time the two launches took (None where not measured)."""
+    running, cpu = medians(run), medians(run, "cpu")
     judged = []
     for label, nprocs, method, floor, goal in goals:
-        ours, theirs = medians.get((method, nprocs)), medians.get((floor, nprocs))
+        ours, theirs = running.get((method, nprocs)), running.get((floor, nprocs))
         ratio = None if ours is None or not theirs else ours / theirs
+        our_cpu, their_cpu = cpu.get((method, nprocs)), cpu.get((floor, nprocs))
         judged.append(
             {
                 "goal": label,
@@ -110,6 +119,9 @@ def judge(
                 "ratio": ratio,
                 "at_most": goal,
                 "met": None if ratio is None else ratio <= goal,
+                "cpu_ms": None if our_cpu is None else our_cpu * 1e3,
+                "floor_cpu_ms": None if their_cpu is None else their_cpu * 1e3,
+                "cpu_ratio": None if our_cpu is None or not their_cpu else our_cpu / their_cpu,
             }
         )
     return judged
@@ -144,7 +156,7 @@ def print_run(judged: list[dict[str, Any]]) -> None:
         print(
             f"{entry['goal']:<{width}}  {entry['ms']:7.1f} / {entry['floor_ms']:7.1f} ms = "
             f"{entry['ratio']:.2f}x (goal <= {entry['at_most']}x): "
-            f"{'met' if entry['met'] else 'NOT met'}"
+            f"{'met' if entry['met'] else 'NOT met'}; CPU {_times(entry['cpu_ratio'])}"
         )
     met = sum(1 for entry in judged if entry["met"])
     print(f"{met} of {len(judged)} met")
@@ -157,12 +169,16 @@ def across(each: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for index, first in enumerate(each[0]):
         ratios = [judged[index]["ratio"] for judged in each]
         measured = [ratio for ratio in ratios if ratio is not None]
+        cpu = [judged[index]["cpu_ratio"] for judged in each]
+        cpu_measured = [ratio for ratio in cpu if ratio is not None]
         summary.append(
             {
                 "goal": first["goal"],
                 "at_most": first["at_most"],
                 "ratios": ratios,
                 "median_ratio": statistics.median(measured) if measured else None,
+                "cpu_ratios": cpu,
+                "median_cpu_ratio": statistics.median(cpu_measured) if cpu_measured else None,
                 "met_runs": sum(1 for judged in each if judged[index]["met"]),
                 "runs": len(each),
             }
@@ -174,14 +190,17 @@ def print_across(summary: list[dict[str, Any]], each: list[list[dict[str, Any]]]
     width = max(len(entry["goal"]) for entry in summary)
     for entry in summary:
         ratios = " ".join("  -  " if r is None else f"{r:.2f}x" for r in entry["ratios"])
-        median = entry["median_ratio"]
         print(
-            f"{entry['goal']:<{width}}  {ratios}  median "
-            f"{'-' if median is None else f'{median:.2f}x'} (goal <= {entry['at_most']}x): "
-            f"met in {entry['met_runs']} of {entry['runs']}"
+            f"{entry['goal']:<{width}}  {ratios}  median {_times(entry['median_ratio'])} "
+            f"(goal <= {entry['at_most']}x): met in {entry['met_runs']} of {entry['runs']}; "
+            f"CPU {_times(entry['median_cpu_ratio'])}"
         )
     whole = sum(1 for judged in each if all(entry["met"] for entry in judged))
     print(f"runs that met every goal: {whole} of {len(each)}")
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def main() -> None:
