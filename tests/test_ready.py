@@ -78,8 +78,8 @@ def test_ready_and_forked_ranks_of_one_launch_are_alike(
 ):
     """Two ranks from ready workers, two forked at launch, the caller's
     state changed in between: the same environment, cwd, umask, sys.path,
-    limits, signal dispositions and mask, fds (stack file armed), name,
-    process group; their own pids and random states."""
+    CPU affinity, limits, signal dispositions and mask, fds (stack file
+    armed), name, process group; their own pids and random states."""
     if tracker:  # its pipe travels with every launch, as an argument's fd
         from multiprocessing import resource_tracker
 
@@ -94,11 +94,15 @@ def test_ready_and_forked_ranks_of_one_launch_are_alike(
     old_mask = os.umask(0o027)
     old_core = resource.getrlimit(resource.RLIMIT_CORE)
     resource.setrlimit(resource.RLIMIT_CORE, (0, old_core[1]))
+    old_cpus = os.sched_getaffinity(0)
+    cpus = {min(old_cpus)}  # one CPU fewer, where there are two or more
+    os.sched_setaffinity(0, cpus)
     try:
         ctx = fastspawn.start_processes(workers.rank_state, nprocs=4)
     finally:
         os.umask(old_mask)
         resource.setrlimit(resource.RLIMIT_CORE, old_core)
+        os.sched_setaffinity(0, old_cpus)
     states = ctx.return_values
     assert {states[0]["pid"], states[1]["pid"]} <= ready
     assert not {states[2]["pid"], states[3]["pid"]} & ready
@@ -111,6 +115,7 @@ def test_ready_and_forked_ranks_of_one_launch_are_alike(
         assert state["sys.path"][0] == str(tmp_path)
         assert state["umask"] == 0o027
         assert state["limits"]["RLIMIT_CORE"] == (0, old_core[1])
+        assert state["affinity"] == sorted(cpus)
         assert "/memfd:fastspawn-stacks:RANK" in state["fds"]
         assert state["comm"] != "fastspawn-ready"
         assert state["ppid"] == client.zygote_pid()
@@ -659,6 +664,17 @@ elif case == "nofile-raised":
     fastspawn.prefork(1, refill=False)
     ctx = fastspawn.start_processes(workers.open_files_limit, nprocs=2)
     print(*sorted(set(ctx.return_values.values())), flush=True)
+elif case == "nice":
+    # The caller's nice value raised after workers were made ready (a
+    # process of its own: without privileges it cannot be lowered back).
+    fastspawn.start_processes(workers.succeed, nprocs=1)
+    print(fastspawn.prefork(2, refill=False), flush=True)
+    waiting = ready()
+    os.nice(3)
+    ctx = fastspawn.start_processes(workers.pid_and_nice, nprocs=4)
+    ranks = ctx.return_values.values()
+    print(len({pid for pid, _nice in ranks} & waiting), flush=True)
+    print(os.getpriority(os.PRIO_PROCESS, 0), *sorted({nice for _pid, nice in ranks}), flush=True)
 elif case == "off":
     fastspawn.start_processes(workers.succeed, nprocs=2)
     print(settle(0), flush=True)
@@ -778,6 +794,17 @@ def test_multiprocessing_processes_are_made_ready_again_for_rank_0():
     rank every one of them takes (see ReadyPool.owe), and the next
     process takes one."""
     assert run_driver("mp-slots") == ["True", "0", "True", "0"]
+
+
+@pytest.mark.version_neutral
+def test_ranks_from_ready_workers_take_a_nice_value_raised_since():
+    """The caller's nice value as of the launch, as a rank forked then has
+    it (what the caller changed since its zygote started travels with the
+    launch): two ranks from workers made ready before the change, two
+    forked after, in a process of the test's own."""
+    made, taken, callers, *ranks = run_driver("nice")
+    assert (made, taken) == ("2", "2")
+    assert ranks == [callers]
 
 
 @pytest.mark.version_neutral

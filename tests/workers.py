@@ -986,6 +986,10 @@ def rank_state(rank: int) -> dict[str, Any]:
     }
 
 
+def pid_and_nice(rank: int) -> tuple[int, int]:
+    return os.getpid(), os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def pid_and_env(rank: int, name: str) -> tuple[int, str | None]:
     return os.getpid(), os.environ.get(name)
 
