@@ -27,7 +27,10 @@ machine and each run's summary.  ``--runs N`` does all of that N
 times, one run after the other, and prints each goal's ratio in every run,
 their median and in how many runs it was met: on the 2-core VMs the
 project runs on, the floors themselves move by a fifth from run to run,
-and a goal near its bound is met in some runs and not in others.  Exit
+and a goal near its bound is met in some runs and not in others
+(``--repeat 21``, about 10 minutes a run there, narrowed the rows without
+torch, not torch's: benchmarks/README.md, "Issue 31's goals with 21
+rounds a run").  Exit
 status 0 whatever was met (a benchmark, not a test).
 ``benchmarks/process_starts.py`` measures the
 issue's other figure, one ``ctx.Process`` start from a ready worker
