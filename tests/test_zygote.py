@@ -800,10 +800,7 @@ def test_a_group_with_only_a_zombie_left_has_no_live_members():
     try:
         assert client._group_has_live_members(leader.pid)
         leader.kill()
-        deadline = time.monotonic() + 10
-        while _state(leader.pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _state(leader.pid) == "Z"  # unreaped
+        assert _zombie_within_10_s(leader.pid)  # unreaped
         assert not client._group_has_live_members(leader.pid)
     finally:
         leader.kill()
@@ -813,6 +810,14 @@ def test_a_group_with_only_a_zombie_left_has_no_live_members():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _zombie_within_10_s(pid: int) -> bool:
+    """Whether ``pid`` is a zombie, waiting up to 10 s for its exit."""
+    deadline = time.monotonic() + 10
+    while _state(pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _state(pid) == "Z"
 
 
 def test_the_next_launch_takes_a_process_group_anchored_ahead():
@@ -833,10 +838,7 @@ def test_the_next_launch_takes_a_process_group_anchored_ahead():
     # The zygote goes on (and the anchor has its name) once the anchor's
     # exit has let go of the memory they share (CLONE_VFORK): a moment
     # before the exit has made it a zombie.
-    deadline = time.monotonic() + 10
-    while _state(anchor) != "Z" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _state(anchor) == "Z" and os.getpgid(anchor) == anchor
+    assert _zombie_within_10_s(anchor) and os.getpgid(anchor) == anchor
     assert oscall.ANCHOR_NAME == "fastspawn-group"  # csrc/group.c names it so
     second = fastspawn.start_processes(workers.process_group, nprocs=2).return_values
     assert second == {0: anchor, 1: anchor} and anchor not in first.values()
